@@ -1,0 +1,45 @@
+"""`Plan.explain()`: a plain-text table of where every parameter lives."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from jax.sharding import NamedSharding
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _spec(spec) -> str:
+    return "(" + ", ".join(str(e) for e in tuple(spec)) + ")" if tuple(spec) else "replicated"
+
+
+def explain_plan(plan) -> str:
+    from jaxspeed.sharding.planner import _flatten_leaf_plans
+
+    header = ("parameter", "shape", "params", "grads", "opt state", "param bytes/dev", "notes")
+    rows = []
+    for _, leaf in _flatten_leaf_plans(plan.leaves):
+        shard = NamedSharding(plan.mesh, leaf.param).shard_shape(leaf.shape)
+        nbytes = math.prod(shard) * np.dtype(leaf.dtype).itemsize
+        rows.append((
+            leaf.path, "×".join(map(str, leaf.shape)) or "scalar", _spec(leaf.param),
+            _spec(leaf.grad), _spec(leaf.opt), format_bytes(nbytes), "; ".join(leaf.notes),
+        ))
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    mesh = ", ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
+    out = [f"mesh: {mesh}   ZeRO stage {plan.stage}", line(header), line(["-" * w for w in widths])]
+    out += [line(r) for r in rows]
+    out.append(
+        f"per device: params {format_bytes(plan.bytes_per_device('param'))}, "
+        f"grads {format_bytes(plan.bytes_per_device('grad'))}, "
+        f"one opt-state copy {format_bytes(plan.bytes_per_device('opt'))}"
+    )
+    return "\n".join(out)

@@ -1,0 +1,197 @@
+"""The sharding planner: logical axes + ZeRO stage → a `NamedSharding` for every piece of state."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxspeed.mesh import DATA_PARALLEL_AXES
+from jaxspeed.sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
+from jaxspeed.sharding.zero import zero_spec
+
+Logical = tuple[str | None, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """The plan for one parameter: its specs for params, gradients and optimizer state."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    logical: Logical
+    param: P
+    grad: P
+    opt: P
+    notes: tuple[str, ...]
+
+
+def _is_logical_leaf(x) -> bool:
+    return x is None or isinstance(x, (tuple, P))
+
+
+def path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Shardings for params, gradients and optimizer state under one ZeRO stage.
+
+    `leaves` is a pytree with the structure of the params and a `LeafPlan` at each leaf.
+    """
+
+    mesh: Mesh
+    stage: int
+    rules: Rules
+    leaves: Any
+
+    def _shardings(self, field: str):
+        return jax.tree.map(
+            lambda leaf: NamedSharding(self.mesh, getattr(leaf, field)),
+            self.leaves,
+            is_leaf=lambda x: isinstance(x, LeafPlan),
+        )
+
+    @property
+    def params(self):
+        """Pytree of `NamedSharding` for the stored (master) parameters."""
+        return self._shardings("param")
+
+    @property
+    def grads(self):
+        """Pytree of `NamedSharding` the gradients are constrained to."""
+        return self._shardings("grad")
+
+    @property
+    def opt(self):
+        """Pytree of `NamedSharding` for one param-shaped copy of optimizer state."""
+        return self._shardings("opt")
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def batch_sharding(self, ndim: int = 2) -> NamedSharding:
+        """Sharding of a batch array: leading dim over the data-parallel axes."""
+        spec, _ = logical_to_spec(
+            ("batch",) + (None,) * (ndim - 1), (self.data_parallel_size,) + (1,) * (ndim - 1),
+            self.mesh.shape, self.rules,
+        )
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in DATA_PARALLEL_AXES)
+
+    def opt_state_shardings(self, opt_state):
+        """Shardings for an optimizer state (arrays or `ShapeDtypeStruct`s).
+
+        A state leaf whose key path ends with a parameter's path and has its shape (Adam's
+        `mu`/`nu`, momentum, ...) gets that parameter's optimizer-state spec. Any other array
+        (factored second moments, counters) gets the ZeRO spec its own shape allows.
+        """
+        by_path = {}
+        for path, leaf in _flatten_leaf_plans(self.leaves):
+            by_path[tuple(map(str, path))] = leaf
+
+        def choose(path, x):
+            keys = tuple(map(str, path))
+            for start in range(len(keys)):
+                leaf = by_path.get(keys[start:])
+                if leaf is not None and tuple(x.shape) == leaf.shape:
+                    return NamedSharding(self.mesh, leaf.opt)
+            if self.stage == 0 or not x.shape:
+                return self.replicated
+            spec, _ = zero_spec(P(), x.shape, self.mesh.shape)
+            return NamedSharding(self.mesh, spec)
+
+        return jax.tree.map_with_path(choose, opt_state)
+
+    def bytes_per_device(self, field: str) -> int:
+        """Per-device bytes of one param-shaped tree stored with the `field` spec."""
+        total = 0
+        for _, leaf in _flatten_leaf_plans(self.leaves):
+            shard = NamedSharding(self.mesh, getattr(leaf, field)).shard_shape(leaf.shape)
+            total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+        return total
+
+    def explain(self) -> str:
+        """A table: each parameter, its shape, specs for params / grads / opt state, bytes/device."""
+        from jaxspeed.sharding.explain import explain_plan
+
+        return explain_plan(self)
+
+
+def _flatten_leaf_plans(leaves):
+    return jax.tree.flatten_with_path(leaves, is_leaf=lambda x: isinstance(x, LeafPlan))[0]
+
+
+def plan_sharding(
+    abstract_params,
+    logical_axes,
+    mesh: Mesh,
+    *,
+    stage: int = 0,
+    rules: Rules = DEFAULT_RULES,
+) -> Plan:
+    """Plans the sharding of params, gradients and optimizer state.
+
+    Args:
+      abstract_params: pytree of arrays or `ShapeDtypeStruct`s.
+      logical_axes: pytree with the params' structure holding, per leaf, a tuple of logical
+        axis names (or a `PartitionSpec` of them, or None), or a function
+        `(path, leaf) -> names` for plain pytrees.
+      mesh: the device mesh.
+      stage: ZeRO stage 0–3.
+      rules: ordered logical-axis rules.
+
+    Returns:
+      A `Plan`.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    flat, treedef = jax.tree.flatten_with_path(abstract_params)
+    if callable(logical_axes):
+        names = [logical_axes(path, leaf) for path, leaf in flat]
+    else:
+        names = treedef.flatten_up_to(logical_axes) if logical_axes is not None else [None] * len(flat)
+    leaves = [
+        _plan_leaf(path, leaf, _as_names(name), mesh, stage, rules)
+        for (path, leaf), name in zip(flat, names)
+    ]
+    return Plan(mesh=mesh, stage=stage, rules=tuple(rules), leaves=treedef.unflatten(leaves))
+
+
+def _as_names(logical) -> Logical:
+    if logical is None:
+        return None
+    return tuple(logical)
+
+
+def _plan_leaf(path, leaf, logical: Logical, mesh: Mesh, stage: int, rules: Rules) -> LeafPlan:
+    shape = tuple(leaf.shape)
+    base, notes = logical_to_spec(logical, shape, mesh.shape, rules)
+    sharded, note = zero_spec(base, shape, mesh.shape, logical=logical)
+    if note and stage > 0:
+        notes.append(note)
+    return LeafPlan(
+        path=path_str(path),
+        shape=shape,
+        dtype=np.dtype(leaf.dtype),
+        logical=logical,
+        param=sharded if stage >= 3 else base,
+        grad=sharded if stage >= 2 else base,
+        opt=sharded if stage >= 1 else base,
+        notes=tuple(notes),
+    )
+
+
+LogicalAxesFn = Callable[[tuple, Any], Logical]
