@@ -1,0 +1,312 @@
+"""The config schema: one pydantic model per section, and `Config`, the whole run.
+
+Every section has ``extra="forbid"``, so a misspelt key is an error (`load_config` turns it into
+one `ConfigError` that names the key path and suggests the closest accepted key). Ints and bools
+are strict: `true` is not 1 and "3" is not 3.
+
+Data source rule: ``data.path`` given while ``data.source`` is missing or ``"stdlib"`` means
+``source: path`` (so ``--set data.path=corpus.txt`` just works); ``source: path`` without a path
+is an error.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from jaxspeed.config.sizes import parse_bytes
+
+OPTIMIZER_TYPES: tuple[str, ...] = ("Adam", "AdamW", "SGD", "Lion", "Adafactor", "OneBitAdam")
+SCHEDULER_TYPES: tuple[str, ...] = ("constant", "WarmupLR", "WarmupDecayLR", "WarmupCosine")
+#: Other spellings of scheduler types (lower case) → canonical type.
+SCHEDULER_ALIASES: Mapping[str, str] = types.MappingProxyType({"warmupcosinelr": "WarmupCosine"})
+
+# ---------------------------------------------------------------------------------------------
+# Field types. Ints and bools are strict: `true` is not 1 and "3" is not 3 (YAML and JSON already
+# give real numbers and booleans); floats accept ints.
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not a boolean")
+    return value
+
+
+def _mesh_size(value: int) -> int:
+    if value < 1 and value != -1:
+        raise ValueError("mesh axis size must be >= 1, or -1 to fill from the device count")
+    return value
+
+
+_Int = Annotated[int, Field(strict=True)]
+_PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+_NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
+_MeshSize = Annotated[int, Field(strict=True), AfterValidator(_mesh_size)]
+_Bool = Annotated[bool, Field(strict=True)]
+
+
+class _Section(BaseModel):
+    """Base of every config section: unknown keys are errors; fields load by name or alias."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
+
+
+class MeshConfig(_Section):
+    """Device mesh axis sizes; `-1` (at most one axis) is filled from the device count."""
+
+    pipe: _MeshSize = 1
+    data: _MeshSize = -1
+    expert: _MeshSize = 1
+    tensor: _MeshSize = 1
+
+    @model_validator(mode="after")
+    def _one_fill(self) -> MeshConfig:
+        fill = [axis for axis, size in self.model_dump().items() if size == -1]
+        if len(fill) > 1:
+            raise ValueError(
+                f"at most one axis may be -1 (filled from the device count), "
+                f"got -1 for {', '.join(fill)}"
+            )
+        return self
+
+
+class Bf16Config(_Section):
+    """bfloat16 compute with float32 master weights."""
+
+    enabled: _Bool = False
+
+
+class Fp16Config(_Section):
+    """float16 compute with dynamic loss scaling (DeepSpeed's names and defaults)."""
+
+    enabled: _Bool = False
+    initial_scale_power: _NonNegativeInt = 16
+    loss_scale_window: _PositiveInt = 1000
+    hysteresis: _PositiveInt = 2
+    min_loss_scale: Annotated[float, Field(strict=True, gt=0)] = 1.0
+    consecutive_hysteresis: _Bool = False
+
+
+class OffloadConfig(_Section):
+    """Where a ZeRO-sharded state lives between steps: `cpu` is XLA's `pinned_host` memory."""
+
+    device: Literal["none", "cpu"] = "none"
+    pin_memory: _Bool = True
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _null_is_none(cls, value: Any) -> Any:
+        return "none" if value is None else value
+
+
+class ZeroConfig(_Section):
+    """ZeRO stage (0 = replicated, 1 = optimizer state, 2 = + grads, 3 = + params) and offload."""
+
+    stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_not_bool)] = 0
+    offload_optimizer: OffloadConfig = Field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = Field(default_factory=OffloadConfig)
+
+
+def _canonical_type(
+    value: str, accepted: Sequence[str], aliases: Mapping[str, str], what: str
+) -> str:
+    by_lower = {name.lower(): name for name in accepted} | dict(aliases)
+    if value.lower() not in by_lower:
+        raise ValueError(f"unknown {what} type {value!r}; accepted types: {', '.join(accepted)}")
+    return by_lower[value.lower()]
+
+
+class OptimizerConfig(_Section):
+    """Optimizer type (case-insensitive, stored in canonical spelling) and its parameters."""
+
+    type: str = "AdamW"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _check_type(cls, value: str) -> str:
+        return _canonical_type(value, OPTIMIZER_TYPES, {}, "optimizer")
+
+
+class SchedulerConfig(_Section):
+    """Learning-rate schedule type (DeepSpeed names, case-insensitive) and its parameters."""
+
+    type: str = "constant"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _check_type(cls, value: str) -> str:
+        return _canonical_type(value, SCHEDULER_TYPES, SCHEDULER_ALIASES, "scheduler")
+
+
+class ActivationCheckpointingConfig(_Section):
+    """Rematerialisation policy (`jax.checkpoint_policies`); `names` goes with policy `names`."""
+
+    policy: Literal[
+        "none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots", "names"
+    ] = "none"
+    names: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _names_match_policy(self) -> ActivationCheckpointingConfig:
+        if self.policy == "names" and not self.names:
+            raise ValueError("policy 'names' needs a non-empty list of names")
+        if self.policy != "names" and self.names:
+            raise ValueError(
+                f"names are only used with policy 'names', but policy is {self.policy!r}"
+            )
+        return self
+
+
+class PipelineConfig(_Section):
+    """Pipeline schedule over the `pipe` mesh axis."""
+
+    num_microbatches: _PositiveInt = 1
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    partition: Literal["uniform", "balanced"] = "uniform"
+
+
+class ModelConfig(_Section):
+    """The reference GPT; `moe` and `sparse_attention` are passed to those modules as given."""
+
+    type: Literal["gpt"] = "gpt"
+    vocab_size: _PositiveInt = 256
+    d_model: _PositiveInt = 256
+    n_layers: _PositiveInt = 4
+    n_heads: _PositiveInt = 4
+    d_ff: _PositiveInt = 1024
+    max_seq_len: _PositiveInt = 256
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    positions: Literal["rotary", "learned"] = "rotary"
+    tie_embeddings: _Bool = True
+    moe: dict[str, Any] | None = None
+    sparse_attention: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                f"the head size d_model / n_heads must be a whole number"
+            )
+        return self
+
+
+class DataConfig(_Section):
+    """Token data: the standard library's source bytes, or a local file/folder at `path`."""
+
+    source: Literal["stdlib", "path"] = "stdlib"
+    path: str | None = None
+    seq_len: _PositiveInt = 256
+    eval_fraction: Annotated[float, Field(strict=True, gt=0, lt=1)] = 0.05
+    max_bytes: _PositiveInt | None = 16_000_000
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_means_source_path(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("path") is not None:
+            if data.get("source", "stdlib") == "stdlib":
+                return {**data, "source": "path"}
+        return data
+
+    @model_validator(mode="after")
+    def _path_given(self) -> DataConfig:
+        if self.source == "path" and not self.path:
+            raise ValueError("source is 'path' but no path is given")
+        return self
+
+
+class CheckpointConfig(_Section):
+    """Orbax checkpoints: directory, cadence (0 = only at the end), how many to keep."""
+
+    dir: str | None = None
+    every_n_steps: _NonNegativeInt = 0
+    keep: _PositiveInt = 3
+    async_: _Bool = Field(True, alias="async")
+
+
+class LoggingConfig(_Section):
+    """Metric logging cadence (`eval_every_n_steps` 0 = no evaluation) and TensorBoard."""
+
+    every_n_steps: _PositiveInt = 10
+    eval_every_n_steps: _NonNegativeInt = 0
+    eval_batches: _PositiveInt = 2
+    tensorboard: _Bool = False
+
+
+class HardwareConfig(_Section):
+    """Facts about the accelerator; `device_memory` is kept as given (see `parse_bytes`)."""
+
+    device_memory: str | int | None = None
+
+    @field_validator("device_memory", mode="before")
+    @classmethod
+    def _check_bytes(cls, value: Any) -> Any:
+        if value is not None:
+            parse_bytes(value)
+        return value
+
+    @property
+    def device_memory_bytes(self) -> int | None:
+        """`device_memory` in bytes, or None when not given."""
+        return None if self.device_memory is None else parse_bytes(self.device_memory)
+
+
+class Config(_Section):
+    """A whole jaxspeed run. Load with `load_config`; save with `to_dict`."""
+
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    train_batch_size: _PositiveInt | None = None
+    train_micro_batch_size_per_device: _PositiveInt | None = Field(
+        None,
+        validation_alias=AliasChoices(
+            "train_micro_batch_size_per_device", "train_micro_batch_size_per_gpu"
+        ),
+    )
+    gradient_accumulation_steps: _PositiveInt | None = None
+    gradient_clipping: Annotated[float, Field(strict=True, ge=0)] = 0.0
+    bf16: Bf16Config = Field(default_factory=Bf16Config)
+    fp16: Fp16Config = Field(default_factory=Fp16Config)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    hardware: HardwareConfig = Field(default_factory=HardwareConfig)
+    steps: _PositiveInt = 1000
+    seed: _Int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        if self.bf16.enabled and self.fp16.enabled:
+            raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} is longer than "
+                f"model.max_seq_len={self.model.max_seq_len}"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict with the config's own key names; `load_config` of it is equal."""
+        return self.model_dump(by_alias=True, mode="json")

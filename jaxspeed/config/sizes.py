@@ -1,0 +1,106 @@
+"""Byte sizes (`parse_bytes`) and the batch-size triple (`resolve_batch`)."""
+
+from __future__ import annotations
+
+import re
+import types
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+from jaxspeed.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jaxspeed.config.schema import Config
+
+_BYTE_UNITS: Mapping[str, int] = types.MappingProxyType(
+    {
+        "": 1, "b": 1,
+        "k": 2**10, "kib": 2**10, "kb": 10**3,
+        "m": 2**20, "mib": 2**20, "mb": 10**6,
+        "g": 2**30, "gib": 2**30, "gb": 10**9,
+        "t": 2**40, "tib": 2**40, "tb": 10**12,
+    }
+)  # fmt: skip
+_BYTES_PATTERN = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_bytes(value: str | int) -> int:
+    """Parses a byte size: an int, or a string such as `"80GiB"`, `"16 GB"`, `"1.5G"`.
+
+    `KiB/MiB/GiB/TiB` and bare `K/M/G/T` are powers of 1024; `KB/MB/GB/TB` are powers of 1000
+    (units are case-insensitive).
+
+    Returns:
+      the size in bytes, >= 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"expected a byte size such as 80GiB or an int, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _BYTES_PATTERN.fullmatch(value)
+        unit = match.group(2).lower() if match else None
+        if unit not in _BYTE_UNITS:
+            raise ConfigError(
+                f"cannot parse byte size {value!r}; expected a number with an optional unit "
+                f"(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, K, M, G, T), e.g. '80GiB'"
+            )
+        size = round(float(match.group(1)) * _BYTE_UNITS[unit])
+    if size < 1:
+        raise ConfigError(f"byte size must be positive, got {value!r}")
+    return size
+
+
+class BatchSizes(NamedTuple):
+    """Resolved batch sizes: `train_batch_size == micro_batch_per_device × accumulation × dp`."""
+
+    train_batch_size: int
+    micro_batch_per_device: int
+    accumulation_steps: int
+
+
+def resolve_batch(config: Config, dp_size: int) -> BatchSizes:
+    """Checks the batch-size triple against the data-parallel size and fills in what is missing.
+
+    Missing members are derived from the given ones; when two or three are missing, accumulation
+    defaults to 1 and then the micro batch to 1.
+
+    Args:
+      config: the run config.
+      dp_size: data-parallel replicas (the `data` × `expert` mesh axes).
+
+    Returns:
+      `BatchSizes(train_batch_size, micro_batch_per_device, accumulation_steps)`.
+
+    Raises:
+      ConfigError: the sizes do not fit together, with the numbers.
+    """
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ConfigError(f"data-parallel size must be a positive int, got {dp_size!r}")
+    total = config.train_batch_size
+    micro = config.train_micro_batch_size_per_device
+    accum = config.gradient_accumulation_steps
+    if total is None:
+        micro, accum = micro or 1, accum or 1
+        return BatchSizes(micro * accum * dp_size, micro, accum)
+    if micro is None and accum is None:
+        accum = 1
+    if micro is None:
+        micro = _divide(total, accum * dp_size, f"gradient_accumulation_steps {accum}", dp_size)
+    elif accum is None:
+        accum = _divide(total, micro * dp_size, f"micro {micro}", dp_size)
+    elif total != micro * accum * dp_size:
+        raise ConfigError(
+            f"train_batch_size={total} does not equal micro {micro} × gradient_accumulation_steps "
+            f"{accum} × data-parallel size {dp_size} = {micro * accum * dp_size}"
+        )
+    return BatchSizes(total, micro, accum)
+
+
+def _divide(total: int, divisor: int, factor: str, dp_size: int) -> int:
+    if total % divisor:
+        raise ConfigError(
+            f"train_batch_size={total} is not divisible by {factor} × data-parallel size "
+            f"{dp_size} (= {divisor}); make train_batch_size a multiple of {divisor}"
+        )
+    return total // divisor
