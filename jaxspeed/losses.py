@@ -1,0 +1,39 @@
+"""Language-model loss: next-token cross entropy on pre-shifted targets."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def lm_loss(logits: jax.Array, batch: Mapping[str, Any]) -> jax.Array:
+    """Mean next-token cross entropy, computed in float32.
+
+    Args:
+      logits: `[batch, length, vocab]`.
+      batch: `targets` int `[batch, length]` (already shifted by the data pipeline: row i of
+        `targets` is the token that follows row i of `inputs`) and optional `mask`
+        `[batch, length]` of per-token weights (bool or float).
+
+    Returns:
+      Scalar float32: the mask-weighted mean over tokens (0 when the mask is all zero).
+    """
+    if "targets" not in batch:
+        raise ValueError(f"lm_loss needs batch['targets']; the batch has keys {sorted(batch)}")
+    targets = jnp.asarray(batch["targets"])
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"lm_loss: logits {logits.shape} do not match targets {targets.shape}; expected "
+            "logits [batch, length, vocab] and targets [batch, length]"
+        )
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    mask = batch.get("mask")
+    if mask is None:
+        return jnp.mean(losses)
+    weights = jnp.broadcast_to(jnp.asarray(mask, dtype=jnp.float32), losses.shape)
+    total = jnp.sum(weights)
+    return jnp.sum(losses * weights) / jnp.where(total > 0, total, 1.0)

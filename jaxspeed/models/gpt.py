@@ -1,0 +1,361 @@
+"""Reference GPT decoder (Flax Linen) written with logical axes.
+
+Every parameter carries Flax logical-partitioning metadata (`vocab`, `embed`, `length`, `heads`,
+`kv`, `mlp`, plus `layers` on the scanned stack) and the activations carry logical sharding
+hints (`batch`, `length`, ...). The model never names a mesh axis: the sharding planner maps the
+logical names to mesh axes with `nn.logical_axis_rules`; without rules the hints are no-ops.
+
+Layers are stacked with `nn.scan`, so compile time does not grow with depth. Norms, rotary
+sin/cos and the attention softmax run in float32 whatever the parameter dtype, so the model works
+when the engine hands it bf16/fp16 copies of fp32 master parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+Dtype = Any
+
+NORMS = ("rmsnorm", "layernorm")
+MLPS = ("gelu", "swiglu")
+POSITIONS = ("rotary", "learned")
+#: Activation-checkpointing policies: name → `jax.checkpoint` policy (`None` = save nothing).
+REMAT_POLICIES: dict[str, Any] = {
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+_REMAT_NAMES = ("none", *REMAT_POLICIES)
+
+_INIT_STD = 0.02
+_NORM_EPS = 1e-6
+_ROTARY_BASE = 10_000.0
+
+
+def _check_choice(key: str, value: Any, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ValueError(f"model.{key}: got {value!r}; accepted values are {list(accepted)}")
+
+
+def _cast(x: Array, dtype: Dtype | None) -> Array:
+    return x if dtype is None else x.astype(dtype)
+
+
+def _logical_param(
+    module: nn.Module, name: str, names: tuple[str, ...], shape: tuple[int, ...], *, std: float
+) -> Array:
+    """A normal(std)-initialised parameter tagged with logical axis `names`."""
+    init = nn.with_logical_partitioning(nn.initializers.normal(std), names)
+    return module.param(name, init, shape, module.param_dtype)
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm over the last axis, computed in float32.
+
+    Attributes:
+      kind: "rmsnorm" (scale only) or "layernorm" (scale and bias).
+    """
+
+    kind: str = "rmsnorm"
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        """Normalises `x: [..., embed]`; returns the same shape and dtype."""
+        features = x.shape[-1]
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            (features,), self.param_dtype,
+        )
+        y = x.astype(jnp.float32)
+        if self.kind == "layernorm":
+            y = y - jnp.mean(y, axis=-1, keepdims=True)
+        y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + _NORM_EPS)
+        y = y * scale.astype(jnp.float32)
+        if self.kind == "layernorm":
+            bias = self.param(
+                "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+                (features,), self.param_dtype,
+            )
+            y = y + bias.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+def rotary_embedding(x: Array) -> Array:
+    """Rotary position embedding (RoFormer, Su et al. 2021), rotate-half form.
+
+    Args:
+      x: `[batch, length, heads, head_dim]`, head_dim even; position i is row i.
+
+    Returns:
+      `x` rotated by position-dependent angles, same shape and dtype (sin/cos in float32).
+    """
+    length, head_dim = x.shape[1], x.shape[-1]
+    half = head_dim // 2
+    inv_freq = _ROTARY_BASE ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [length, half]
+    sin = jnp.sin(angles)[None, :, None, :]
+    cos = jnp.cos(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def causal_attention(q: Array, k: Array, v: Array) -> Array:
+    """Causal softmax attention with a float32 softmax.
+
+    Args:
+      q, k, v: `[batch, length, heads, head_dim]`.
+
+    Returns:
+      `[batch, length, heads, head_dim]` in `v`'s dtype.
+    """
+    length, head_dim = q.shape[1], q.shape[-1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores.astype(jnp.float32) / math.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention, no biases."""
+
+    n_heads: int
+    rotary: bool
+    out_std: float
+    param_dtype: Dtype = jnp.float32
+    dtype: Dtype | None = None
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        """`x: [batch, length, embed]` → `[batch, length, embed]`."""
+        embed = x.shape[-1]
+        head_dim = embed // self.n_heads
+        qkv_shape = (embed, self.n_heads, head_dim)
+        qkv_names = ("embed", "heads", "kv")
+        x = _cast(x, self.dtype)
+
+        def project(name: str) -> Array:
+            kernel = _logical_param(self, name, qkv_names, qkv_shape, std=_INIT_STD)
+            y = jnp.einsum("ble,ehd->blhd", x, _cast(kernel, self.dtype))
+            return nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
+
+        q, k, v = project("query"), project("key"), project("value")
+        if self.rotary:
+            q, k = rotary_embedding(q), rotary_embedding(k)
+        y = causal_attention(q, k, v)
+        y = nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
+        out = _logical_param(
+            self, "out", ("heads", "kv", "embed"), (self.n_heads, head_dim, embed), std=self.out_std
+        )
+        return jnp.einsum("blhd,hde->ble", y, _cast(out, self.dtype))
+
+
+class Mlp(nn.Module):
+    """Feed-forward block: GELU or SwiGLU (Shazeer 2020), no biases."""
+
+    d_ff: int
+    kind: str
+    out_std: float
+    param_dtype: Dtype = jnp.float32
+    dtype: Dtype | None = None
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        """`x: [batch, length, embed]` → `[batch, length, embed]`."""
+        embed = x.shape[-1]
+        x = _cast(x, self.dtype)
+
+        def project_in(name: str) -> Array:
+            kernel = _logical_param(self, name, ("embed", "mlp"), (embed, self.d_ff), std=_INIT_STD)
+            return x @ _cast(kernel, self.dtype)
+
+        if self.kind == "swiglu":
+            h = nn.silu(project_in("wi_gate")) * project_in("wi_up")
+        else:
+            h = nn.gelu(project_in("wi"))
+        h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
+        wo = _logical_param(self, "wo", ("mlp", "embed"), (self.d_ff, embed), std=self.out_std)
+        return h @ _cast(wo, self.dtype)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block; `(carry, None)` signature so it can be scanned over layers."""
+
+    n_heads: int
+    d_ff: int
+    norm: str
+    mlp: str
+    rotary: bool
+    out_std: float
+    param_dtype: Dtype = jnp.float32
+    dtype: Dtype | None = None
+
+    @nn.compact
+    def __call__(self, x: Array, _: Any = None) -> tuple[Array, None]:
+        """`x: [batch, length, embed]` residual stream → (new residual stream, None)."""
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        h = Norm(self.norm, self.param_dtype, name="attn_norm")(x)
+        h = Attention(
+            self.n_heads, self.rotary, self.out_std, self.param_dtype, self.dtype, name="attn"
+        )(h)
+        x = x + h.astype(x.dtype)
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        h = Norm(self.norm, self.param_dtype, name="mlp_norm")(x)
+        h = Mlp(self.d_ff, self.mlp, self.out_std, self.param_dtype, self.dtype, name="mlp")(h)
+        x = x + h.astype(x.dtype)
+        return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer language model.
+
+    Attributes mirror the config's `model:` keys; `remat_policy` is one of "none", "full",
+    "dots_saveable", "dots_with_no_batch_dims_saveable". `dtype=None` computes in the dtype
+    the parameters arrive in; logits are always float32.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 1024
+    max_seq_len: int = 256
+    norm: str = "rmsnorm"
+    mlp: str = "gelu"
+    positions: str = "rotary"
+    tie_embeddings: bool = True
+    remat_policy: str = "none"
+    param_dtype: Dtype = jnp.float32
+    dtype: Dtype | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("norm", self.norm, NORMS)
+        _check_choice("mlp", self.mlp, MLPS)
+        _check_choice("positions", self.positions, POSITIONS)
+        _check_choice("remat_policy", self.remat_policy, _REMAT_NAMES)
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, key)
+            if value < 1:
+                raise ValueError(f"model.{key}: must be a positive integer, got {value}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
+            )
+        if self.positions == "rotary" and (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"model.positions='rotary' needs an even head dim; got d_model/n_heads="
+                f"{self.d_model // self.n_heads}"
+            )
+        super().__post_init__()
+
+    def _scanned_blocks(self) -> nn.Module:
+        block_cls = Block
+        if self.remat_policy != "none":
+            policy = REMAT_POLICIES[self.remat_policy]
+            block_cls = nn.remat(block_cls, policy=policy, prevent_cse=False)
+        scanned = nn.scan(
+            block_cls,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.n_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        return scanned(
+            n_heads=self.n_heads,
+            d_ff=self.d_ff,
+            norm=self.norm,
+            mlp=self.mlp,
+            rotary=self.positions == "rotary",
+            out_std=_INIT_STD / math.sqrt(2 * self.n_layers),
+            param_dtype=self.param_dtype,
+            dtype=self.dtype,
+            name="layers",
+        )
+
+    @nn.compact
+    def __call__(self, tokens: Array) -> Array:
+        """Next-token logits.
+
+        Args:
+          tokens: int `[batch, length]`, length ≤ max_seq_len, values in [0, vocab_size).
+
+        Returns:
+          float32 logits `[batch, length, vocab]`.
+        """
+        if tokens.ndim != 2:
+            raise ValueError(f"GPT expects tokens of shape [batch, length], got {tokens.shape}")
+        length = tokens.shape[1]
+        if length > self.max_seq_len:
+            raise ValueError(
+                f"sequence length {length} exceeds model.max_seq_len={self.max_seq_len}"
+            )
+        embedding = _logical_param(
+            self, "embedding", ("vocab", "embed"), (self.vocab_size, self.d_model), std=_INIT_STD
+        )
+        x = _cast(jnp.take(embedding, tokens, axis=0), self.dtype)
+        if self.positions == "learned":
+            pos = _logical_param(
+                self, "pos_embedding", ("length", "embed"), (self.max_seq_len, self.d_model),
+                std=_INIT_STD,
+            )
+            x = x + _cast(pos[:length], x.dtype)[None]
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        x, _ = self._scanned_blocks()(x, None)
+        x = Norm(self.norm, self.param_dtype, name="final_norm")(x)
+        if self.tie_embeddings:
+            logits = jnp.einsum(
+                "ble,ve->blv", x, _cast(embedding, x.dtype), preferred_element_type=jnp.float32
+            )
+        else:
+            head = _logical_param(
+                self, "head", ("embed", "vocab"), (self.d_model, self.vocab_size), std=_INIT_STD
+            )
+            logits = jnp.einsum(
+                "ble,ev->blv", x, _cast(head, x.dtype), preferred_element_type=jnp.float32
+            )
+        logits = logits.astype(jnp.float32)
+        return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+
+
+_GPT_FIELDS = (
+    "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len",
+    "norm", "mlp", "positions", "tie_embeddings",
+)
+
+
+def build_gpt(model_cfg: Any, *, remat_policy: str = "none") -> GPT:
+    """Builds a `GPT` from a model config (any object with the `model:` attributes).
+
+    Args:
+      model_cfg: e.g. `jaxspeed.config.ModelConfig`; missing attributes take `GPT`'s defaults.
+      remat_policy: activation-checkpointing policy name (see `GPT`).
+
+    Returns:
+      The (unbound) `GPT` module.
+
+    Raises:
+      ValueError: for an unsupported model type, MoE or sparse attention, or a bad value.
+    """
+    model_type = getattr(model_cfg, "type", "gpt")
+    if model_type != "gpt":
+        raise ValueError(f"model.type: got {model_type!r}; accepted values are ['gpt']")
+    for key in ("moe", "sparse_attention"):
+        if getattr(model_cfg, key, None) is not None:
+            raise ValueError(f"model.{key}: not supported yet by the reference GPT; set it to null")
+    kwargs = {key: getattr(model_cfg, key) for key in _GPT_FIELDS if hasattr(model_cfg, key)}
+    return GPT(**kwargs, remat_policy=remat_policy)
+
+
+def count_params(params: Any) -> int:
+    """Number of scalar parameters in a pytree (arrays, shape structs or boxed metadata)."""
+    return int(sum(math.prod(np.shape(leaf)) for leaf in jax.tree.leaves(params)))
