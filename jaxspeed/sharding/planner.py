@@ -38,7 +38,11 @@ def _is_logical_leaf(x) -> bool:
 
 
 def path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    """'layers/mlp/wi' for a key path; NNX's trailing `.value` is dropped."""
+    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    if len(keys) > 1 and keys[-1] == "value":
+        keys.pop()
+    return "/".join(keys)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,133 @@
+"""One functional view of a model: Flax Linen, Flax NNX, or a plain apply function + pytree.
+
+The engine only sees `ModelFns`: how to make params, how to apply them, and the logical axis
+names of each parameter (from Flax's partitioning metadata).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from jaxspeed.errors import JaxspeedError
+
+
+class ModelFns(NamedTuple):
+    """A model as pure functions.
+
+    Attributes:
+      abstract_params: pytree of `ShapeDtypeStruct`, the parameter structure.
+      logical_axes: pytree like the params of logical-name tuples (or None), or a function
+        `(path, leaf) -> names`.
+      apply: `(params, inputs) -> outputs`.
+      init: `(rng) -> params`, traceable (jitted with the plan's shardings), or None when
+        the params already exist (`initial_params`).
+      initial_params: concrete params (NNX instances, plain pytrees), else None.
+    """
+
+    abstract_params: Any
+    logical_axes: Any
+    apply: Callable[[Any, Any], Any]
+    init: Callable[[jax.Array], Any] | None
+    initial_params: Any
+
+
+def linen_fns(module: nn.Module, sample_inputs) -> ModelFns:
+    """Linen: params come from `module.init`, logical axes from `nn.with_logical_partitioning`."""
+
+    def init(rng):
+        variables = module.init(rng, sample_inputs)
+        _only_params(variables)
+        return nn.unbox(variables["params"])
+
+    boxed = jax.eval_shape(lambda rng: module.init(rng, sample_inputs), jax.random.key(0))
+    _only_params(boxed)
+    logical = nn.get_partition_spec(boxed)["params"]
+    logical = jax.tree.map(
+        lambda spec: tuple(spec) if len(tuple(spec)) else None,
+        logical,
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+    )
+    return ModelFns(
+        abstract_params=nn.unbox(boxed["params"]),
+        logical_axes=logical,
+        apply=lambda params, inputs: module.apply({"params": params}, inputs),
+        init=init,
+        initial_params=None,
+    )
+
+
+def _only_params(variables) -> None:
+    extra = sorted(set(variables) - {"params"})
+    if extra:
+        raise JaxspeedError(
+            f"model has variable collections {extra} besides 'params'; jaxspeed trains "
+            "stateless models (no batch statistics or caches in train mode)"
+        )
+
+
+def nnx_fns(model: nnx.Module) -> ModelFns:
+    """NNX: the module's `nnx.Param`s are trained; other state is held fixed.
+
+    Logical axes come from `nnx.with_partitioning(init, names)`. Build the module with
+    `nnx.use_eager_sharding(False)` (or under a mesh) so Flax does not shard it eagerly.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    names = {
+        tuple(map(str, path)): _nnx_names(var) for path, var in nnx.to_flat_state(params)
+    }
+
+    def logical_axes(path, leaf):
+        keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        return names.get(keys[:-1] if keys and keys[-1] == "value" else keys)
+
+    return ModelFns(
+        abstract_params=jax.eval_shape(lambda: params),
+        logical_axes=logical_axes,
+        apply=lambda p, inputs: nnx.merge(graphdef, p, rest)(inputs),
+        init=None,
+        initial_params=params,
+    )
+
+
+def _nnx_names(var):
+    meta = var.get_metadata()
+    names = meta.get("out_sharding") or meta.get("sharding") or meta.get("sharding_names")
+    return tuple(names) if names else None
+
+
+def pytree_fns(apply: Callable, params, param_axes=None) -> ModelFns:
+    """A plain apply function over a params pytree, with logical names from `param_axes`.
+
+    `param_axes` is a pytree of name tuples like `params`, or `(path, leaf) -> names`, or None
+    (no tensor-parallel sharding; ZeRO still applies).
+    """
+    return ModelFns(
+        abstract_params=jax.eval_shape(lambda: params),
+        logical_axes=param_axes,
+        apply=apply,
+        init=None,
+        initial_params=params,
+    )
+
+
+def model_fns(model, *, sample_inputs=None, params=None, param_axes=None) -> ModelFns:
+    """Dispatches on the kind of `model`: Linen module, NNX module, or apply function."""
+    if isinstance(model, nn.Module):
+        if sample_inputs is None:
+            raise JaxspeedError("a Linen model needs sample_batch (its 'inputs' set the shapes)")
+        return linen_fns(model, sample_inputs)
+    if isinstance(model, nnx.Module):
+        return nnx_fns(model)
+    if callable(model):
+        if params is None:
+            raise JaxspeedError("a plain apply function needs params= (a pytree of arrays)")
+        return pytree_fns(model, params, param_axes)
+    raise JaxspeedError(
+        f"model must be a flax.linen.Module, a flax.nnx.Module or an apply function, "
+        f"got {type(model).__name__}"
+    )

@@ -1,0 +1,245 @@
+"""`initialize()` and `Engine`: a model, a config and a mesh become jitted, sharded steps."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxspeed import precision
+from jaxspeed.adapters import ModelFns, model_fns
+from jaxspeed.config import Config, load_config, resolve_batch
+from jaxspeed.data import make_global_batch
+from jaxspeed.errors import ConfigError
+from jaxspeed.losses import lm_loss
+from jaxspeed.mesh import data_parallel_size, make_mesh
+from jaxspeed.optim import build_optimizer
+from jaxspeed.sharding import Plan, plan_sharding
+from jaxspeed.sharding.rules import DEFAULT_RULES
+from jaxspeed.train_step import StepSpec, TrainState, eval_step, train_step
+
+
+class Engine:
+    """Jitted, sharded train and eval steps for one model, config and mesh.
+
+    Build it with `jaxspeed.initialize`. The state lives where `plan` says; each step donates
+    the old state.
+    """
+
+    def __init__(self, *, config: Config, mesh: Mesh, fns: ModelFns, plan: Plan, loss_fn):
+        self.config = config
+        self.mesh = mesh
+        self.fns = fns
+        self.plan = plan
+        self.batch_sizes = resolve_batch(config, data_parallel_size(mesh))
+        self.tx, self.schedule = build_optimizer(config)
+        self.compute_dtype = precision.compute_dtype(config)
+        self._spec = StepSpec(
+            apply=fns.apply,
+            loss_fn=loss_fn,
+            tx=self.tx,
+            schedule=self.schedule,
+            accumulation=self.batch_sizes.accumulation_steps,
+            compute_dtype=self.compute_dtype,
+            grad_shardings=plan.grads,
+            micro_sharding=self._micro_sharding,
+            fp16=config.fp16 if config.fp16.enabled else None,
+        )
+        dp = data_parallel_size(mesh)
+        shardings = self.state_shardings
+        self._train = jax.jit(
+            functools.partial(train_step, self._spec, dp),
+            in_shardings=(shardings, None),
+            out_shardings=(shardings, None),
+            donate_argnums=0,
+        )
+        self._eval = jax.jit(functools.partial(eval_step, self._spec, dp), in_shardings=(shardings, None))
+
+    # -- layouts ------------------------------------------------------------------------
+    def _micro_sharding(self, ndim: int) -> NamedSharding:
+        batch = self.plan.batch_sharding(ndim - 1).spec
+        return NamedSharding(self.mesh, P(None, *batch))
+
+    def batch_sharding(self, ndim: int = 2) -> NamedSharding:
+        """Sharding of a global batch array of rank `ndim` (rows over the data-parallel axes)."""
+        return self.plan.batch_sharding(ndim)
+
+    @functools.cached_property
+    def _abstract_opt_state(self):
+        return jax.eval_shape(self.tx.init, self.fns.abstract_params)
+
+    @functools.cached_property
+    def state_shardings(self) -> TrainState:
+        """A `TrainState` of `NamedSharding`s: the plan applied to every piece of state."""
+        rep = self.plan.replicated
+        loss_scale = None
+        if self.config.fp16.enabled:
+            loss_scale = jax.tree.map(lambda _: rep, precision.init_loss_scale(self.config.fp16))
+        return TrainState(
+            step=rep,
+            params=self.plan.params,
+            opt_state=self.plan.opt_state_shardings(self._abstract_opt_state),
+            rng=rep,
+            loss_scale=loss_scale,
+        )
+
+    def abstract_state(self) -> TrainState:
+        """The state as `ShapeDtypeStruct`s carrying their shardings (no allocation)."""
+        params = None if self.fns.init is not None else self.fns.abstract_params
+        shapes = jax.eval_shape(self._init_fn, jax.random.key(0), params)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            shapes,
+            self.state_shardings,
+        )
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The global train batch as `ShapeDtypeStruct`s (token models: inputs and targets)."""
+        shape = (self.batch_sizes.train_batch_size, self.config.data.seq_len)
+        sharding = self.batch_sharding(2)
+        return {
+            k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in ("inputs", "targets")
+        }
+
+    # -- state ---------------------------------------------------------------------------
+    def _init_fn(self, rng, params):
+        params_rng, state_rng = jax.random.split(rng)
+        if params is None:
+            params = self.fns.init(params_rng)
+        loss_scale = precision.init_loss_scale(self.config.fp16) if self.config.fp16.enabled else None
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.tx.init(params),
+            rng=state_rng,
+            loss_scale=loss_scale,
+        )
+
+    def init(self, rng: jax.Array) -> TrainState:
+        """Creates the train state directly in its planned shardings (params never gathered)."""
+        params = self.fns.initial_params
+        if params is not None:
+            params = jax.device_put(params, self.plan.params)
+        # No logical-rules context here: Flax's init-time reshapes (e.g. DenseGeneral) would
+        # trip over activation constraints; `out_shardings` places the state.
+        return jax.jit(self._init_fn, out_shardings=self.state_shardings)(rng, params)
+
+    # -- steps ---------------------------------------------------------------------------
+    def _context(self):
+        return _MeshContext(self.mesh, self.plan.rules)
+
+    def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimizer step on a global batch (arrays, or host numpy to be sharded)."""
+        with self._context():
+            return self._train(state, self.shard_batch(batch))
+
+    def eval_step(self, state: TrainState, batch) -> dict[str, jax.Array]:
+        """Mean loss on a global batch, without updating the state."""
+        with self._context():
+            return self._eval(state, self.shard_batch(batch))
+
+    def shard_batch(self, batch):
+        """Places a batch: jax Arrays are kept; numpy arrays are this process's rows."""
+        if all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
+            return batch
+        return make_global_batch(
+            batch, self.batch_sharding(2), self.batch_sizes.train_batch_size
+        )
+
+    def compile_train_step(self):
+        """Lowers and compiles the train step for the abstract state and batch."""
+        with self._context():
+            return self._train.lower(self.abstract_state(), self.abstract_batch()).compile()
+
+    def memory_report(self) -> dict[str, Any]:
+        """Per-device bytes by category, estimated from shardings and read from the compiled step."""
+        from jaxspeed.memory import memory_report
+
+        return memory_report(self)
+
+
+class _MeshContext:
+    """`jax.set_mesh` + Flax logical-axis rules, so the model's activation hints resolve."""
+
+    def __init__(self, mesh, rules):
+        self._mesh_cm = jax.set_mesh(mesh)
+        self._rules_cm = nn.logical_axis_rules(_flax_rules(rules))
+
+    def __enter__(self):
+        self._mesh_cm.__enter__()
+        self._rules_cm.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._rules_cm.__exit__(*exc)
+        return self._mesh_cm.__exit__(*exc)
+
+
+def _flax_rules(rules):
+    return tuple((name, axes) for name, axes in rules)
+
+
+def _check_supported(config: Config) -> None:
+    """Features whose config keys exist but which later issues deliver: refuse, never fake."""
+    todo = []
+    zero = config.zero_optimization
+    if zero.offload_optimizer.device != "none":
+        todo.append("zero_optimization.offload_optimizer.device=cpu (ZeRO-Offload)")
+    if zero.offload_param.device != "none":
+        todo.append("zero_optimization.offload_param.device=cpu (ZeRO-Infinity params)")
+    if config.mesh.pipe not in (1,):
+        todo.append(f"mesh.pipe={config.mesh.pipe} (pipeline parallelism)")
+    if config.activation_checkpointing.policy in ("offload_dots", "names"):
+        todo.append(f"activation_checkpointing.policy={config.activation_checkpointing.policy}")
+    if todo:
+        raise ConfigError("not available in this version of jaxspeed yet: " + "; ".join(todo))
+
+
+def initialize(
+    config: Config | str | dict | None = None,
+    model=None,
+    loss_fn: Callable[[Any, Any], jax.Array] | None = None,
+    sample_batch=None,
+    *,
+    mesh: Mesh | None = None,
+    params=None,
+    param_axes=None,
+    rules=DEFAULT_RULES,
+) -> Engine:
+    """Builds an `Engine` from a config and a model.
+
+    Args:
+      config: a `Config`, a path to YAML/JSON, a dict, or None for defaults.
+      model: a Flax Linen module, a Flax NNX module, an apply function `(params, inputs)`
+        with `params=`, or None for the reference GPT described by `config.model`.
+      loss_fn: `(outputs, batch) -> scalar`; default next-token cross entropy.
+      sample_batch: a batch (only `inputs` shapes matter) for Linen init; default
+        `[micro_batch, data.seq_len]` int32 tokens.
+      mesh: a mesh; default `make_mesh(config.mesh)`.
+      params: params for a plain apply function.
+      param_axes: logical axis names for plain params (pytree or `(path, leaf) -> names`).
+      rules: ordered logical-axis rules.
+    """
+    if not isinstance(config, Config):
+        config = load_config(config)
+    _check_supported(config)
+    mesh = mesh if mesh is not None else make_mesh(config.mesh)
+    batch = resolve_batch(config, data_parallel_size(mesh))
+    if model is None:
+        from jaxspeed.models import build_gpt
+
+        model = build_gpt(config.model, remat_policy=config.activation_checkpointing.policy)
+    if sample_batch is None:
+        sample_batch = {"inputs": np.zeros((batch.micro_batch_per_device, config.data.seq_len), np.int32)}
+    fns = model_fns(model, sample_inputs=sample_batch["inputs"], params=params, param_axes=param_axes)
+    plan = plan_sharding(
+        fns.abstract_params, fns.logical_axes, mesh, stage=config.zero_optimization.stage, rules=rules
+    )
+    return Engine(config=config, mesh=mesh, fns=fns, plan=plan, loss_fn=loss_fn or lm_loss)

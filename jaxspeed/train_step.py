@@ -1,0 +1,128 @@
+"""The pure train and eval steps the engine jits: accumulation, precision, clipping, update."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxspeed import precision
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """Everything a step reads and writes.
+
+    Attributes:
+      step: number of steps taken (skipped fp16 steps included).
+      params: fp32 master parameters.
+      opt_state: the optax state.
+      rng: a PRNG key, split once per step (for dropout and future stochastic layers).
+      loss_scale: fp16 dynamic loss-scale state, or None without fp16.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    loss_scale: precision.LossScaleState | None = None
+
+
+class StepSpec(NamedTuple):
+    """What the step needs to know besides the state and the batch."""
+
+    apply: Callable[[Any, Any], Any]
+    loss_fn: Callable[[Any, Any], jax.Array]
+    tx: optax.GradientTransformation
+    schedule: Callable[[jax.Array], jax.Array]
+    accumulation: int
+    compute_dtype: Any
+    grad_shardings: Any
+    micro_sharding: Callable[[int], Any]
+    fp16: Any = None
+
+
+def split_microbatches(batch, accumulation: int, data_parallel: int, micro_sharding):
+    """[global_batch, ...] → [accumulation, global_batch / accumulation, ...].
+
+    Each device keeps its own rows: rows are grouped as [dp, accumulation, micro] before the
+    swap, so no data moves between devices.
+    """
+
+    def split(x):
+        dp_micro = x.shape[0] // accumulation
+        y = x.reshape(data_parallel, accumulation, dp_micro // data_parallel, *x.shape[1:])
+        y = jnp.swapaxes(y, 0, 1).reshape(accumulation, dp_micro, *x.shape[1:])
+        return jax.lax.with_sharding_constraint(y, micro_sharding(y.ndim))
+
+    return jax.tree.map(split, batch)
+
+
+def _microbatch_loss(spec: StepSpec, params, batch, scale):
+    compute = precision.cast_floating(params, spec.compute_dtype)
+    loss = spec.loss_fn(spec.apply(compute, batch["inputs"]), batch).astype(jnp.float32)
+    return loss * scale, loss
+
+
+def _loss_and_grads(spec: StepSpec, params, micro_batches, scale):
+    """Mean loss and fp32 gradients over the microbatches (a scan, no Python loop)."""
+    grad_fn = jax.value_and_grad(lambda p, b: _microbatch_loss(spec, p, b, scale), has_aux=True)
+    constrain = lambda g: jax.lax.with_sharding_constraint(g, spec.grad_shardings)  # noqa: E731
+
+    def body(carry, batch):
+        grads_sum, loss_sum = carry
+        (_, loss), grads = grad_fn(params, batch)
+        grads_sum = constrain(jax.tree.map(jnp.add, grads_sum, grads))
+        return (grads_sum, loss_sum + loss), None
+
+    zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro_batches)
+    n = spec.accumulation
+    grads = jax.tree.map(lambda g: g / (n * scale), grads)
+    return loss / n, constrain(grads)
+
+
+def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
+    """One optimizer step on one global batch. Returns the new state and metrics."""
+    micro = split_microbatches(batch, spec.accumulation, data_parallel, spec.micro_sharding)
+    scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
+    loss, grads = _loss_and_grads(spec, state.params, micro, scale)
+    updates, opt_state = spec.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "loss": loss,
+        "grad_norm": optax.global_norm(grads),
+        "lr": jnp.asarray(spec.schedule(state.step), jnp.float32),
+    }
+    loss_scale = state.loss_scale
+    if loss_scale is not None:
+        finite = precision.all_finite(grads)
+        params = precision.select_tree(finite, params, state.params)
+        opt_state = precision.select_tree(finite, opt_state, state.opt_state)
+        loss_scale = precision.update_loss_scale(
+            loss_scale, finite, **precision.loss_scale_options(spec.fp16)
+        )
+        metrics["loss_scale"] = loss_scale.scale
+        metrics["skipped"] = jnp.logical_not(finite).astype(jnp.int32)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        rng=jax.random.split(state.rng)[0],
+        loss_scale=loss_scale,
+    )
+    return new_state, metrics
+
+
+def eval_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
+    """Mean loss over one global batch, in microbatches, without gradients."""
+    micro = split_microbatches(batch, spec.accumulation, data_parallel, spec.micro_sharding)
+
+    def body(total, b):
+        return total + _microbatch_loss(spec, state.params, b, 1.0)[1], None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), micro)
+    return {"loss": total / spec.accumulation}
