@@ -1,0 +1,123 @@
+"""`jaxspeed train | plan | bench`: thin shells over the library.
+
+JAX is imported only after the flags are read, so `--cpu-devices` can still set the number of
+emulated CPU devices. Errors caused by input are printed as one line, with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML or JSON config (jaxspeed or DeepSpeed keys)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config key, e.g. --set zero_optimization.stage=3 (repeatable)",
+    )
+    parser.add_argument(
+        "--cpu-devices", type=int, default=None, metavar="N",
+        help="emulate N CPU devices (sets the host platform device count before JAX starts)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxspeed", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train the reference GPT described by a config")
+    _common(train)
+    train.add_argument("--steps", type=int, default=None, help="total steps (default: config steps)")
+    train.add_argument("--output", default="runs/latest", help="run directory (metrics.jsonl)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    plan = sub.add_parser("plan", help="show the sharding plan and per-device memory")
+    _common(plan)
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+
+    bench = sub.add_parser("bench", help="run a benchmark from benchmarks/")
+    bench.add_argument("name", help="benchmark name, e.g. zero_memory")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "cpu_devices", None) is not None:
+        from jaxspeed.distributed import set_cpu_devices
+
+        set_cpu_devices(args.cpu_devices)
+
+    from jaxspeed.errors import JaxspeedError
+
+    try:
+        return {"train": _train, "plan": _plan, "bench": _bench}[args.command](args)
+    except JaxspeedError as err:
+        print(f"jaxspeed {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _train(args) -> int:
+    from jaxspeed.config import load_config
+    from jaxspeed.train_loop import train
+
+    config = load_config(args.config, overrides=args.overrides)
+    record = train(
+        config, output_dir=args.output, steps=args.steps,
+        progress=False if args.no_progress else None,
+    )
+    print(json.dumps({"output": str(args.output), **record}))
+    return 0
+
+
+def _plan(args) -> int:
+    from jaxspeed.config import load_config
+    from jaxspeed.engine import initialize
+    from jaxspeed.sharding.explain import format_bytes
+
+    engine = initialize(load_config(args.config, overrides=args.overrides))
+    report = engine.memory_report()
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(engine.plan.explain())
+    print()
+    est, comp = report["estimate"], report["compiled"]
+    rows = [
+        ("params", est["params"], None),
+        ("grads", est["grads"], None),
+        ("opt_state", est["opt_state"], None),
+        ("arguments (state + batch)", None, comp["argument"]),
+        ("outputs", None, comp["output"]),
+        ("aliased (donated)", None, -comp["alias"]),
+        ("temp (activations, grads, buffers)", None, comp["temp"]),
+        ("total", est["state_total"], report["per_device_bytes"]["total"]),
+    ]
+    print(f"{'per device':36s} {'estimate':>12s} {'compiled':>12s}")
+    for name, e, c in rows:
+        fmt = lambda v: "" if v is None else format_bytes(v)  # noqa: E731
+        print(f"{name:36s} {fmt(e):>12s} {fmt(c):>12s}")
+    print(f"{'host memory':36s} {format_bytes(report['host_bytes']):>12s}")
+    return 0
+
+
+def _bench(args) -> int:
+    from jaxspeed.errors import JaxspeedError
+
+    script = BENCHMARKS / f"{args.name}.py"
+    if not script.is_file():
+        names = sorted(p.stem for p in BENCHMARKS.glob("*.py")) if BENCHMARKS.is_dir() else []
+        raise JaxspeedError(f"unknown benchmark {args.name!r}; available: {names}")
+    sys.argv = [str(script), *args.args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
