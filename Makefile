@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CONFIG ?= configs/gpt_tiny.yaml
 OUTPUT ?= runs/gpt_tiny
+TRAIN_ARGS ?=
 
 .PHONY: install train test test-fast plan clean
 
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(VENV)/bin/jaxspeed train $(CONFIG) --output $(OUTPUT)
+	$(VENV)/bin/jaxspeed train $(CONFIG) --output $(OUTPUT) $(TRAIN_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --durations=15

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -235,21 +235,25 @@ class TokenDataset:
 
 
 def make_global_batch(
-    local_batch: Mapping[str, np.ndarray], sharding: jax.sharding.Sharding, global_batch: int
+    local_batch: Mapping[str, np.ndarray],
+    sharding: jax.sharding.Sharding | Callable[[int], jax.sharding.Sharding],
+    global_batch: int,
 ) -> dict[str, jax.Array]:
     """Assembles each process's rows into global arrays.
 
     Args:
       local_batch: name → `[global_batch // process_count, ...]` rows of this process.
-      sharding: sharding of the global arrays (batch dimension first).
+      sharding: sharding of the global arrays (batch dimension first), or a function from
+        an array's rank to its sharding, for batches whose entries differ in rank.
       global_batch: rows of the global batch.
 
     Returns:
       name → `jax.Array` of shape `[global_batch, ...]` with `sharding`.
     """
+    sharding_for = sharding if callable(sharding) else lambda ndim: sharding
     return {
         name: jax.make_array_from_process_local_data(
-            sharding, np.asarray(local), (global_batch, *np.shape(local)[1:])
+            sharding_for(np.ndim(local)), np.asarray(local), (global_batch, *np.shape(local)[1:])
         )
         for name, local in local_batch.items()
     }

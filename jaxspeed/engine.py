@@ -149,9 +149,7 @@ class Engine:
         """Places a batch: jax Arrays are kept; numpy arrays are this process's rows."""
         if all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
             return batch
-        return make_global_batch(
-            batch, self.batch_sharding(2), self.batch_sizes.train_batch_size
-        )
+        return make_global_batch(batch, self.batch_sharding, self.batch_sizes.train_batch_size)
 
     def compile_train_step(self):
         """Lowers and compiles the train step for the abstract state and batch."""

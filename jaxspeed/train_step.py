@@ -94,7 +94,7 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": loss,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "lr": jnp.asarray(spec.schedule(state.step), jnp.float32),
     }
     loss_scale = state.loss_scale

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspeed.errors import ConfigError
+
 Array = jax.Array
 Dtype = Any
 
@@ -41,7 +43,7 @@ _ROTARY_BASE = 10_000.0
 
 def _check_choice(key: str, value: Any, accepted: tuple[str, ...]) -> None:
     if value not in accepted:
-        raise ValueError(f"model.{key}: got {value!r}; accepted values are {list(accepted)}")
+        raise ConfigError(f"model.{key}: got {value!r}; accepted values are {list(accepted)}")
 
 
 def _cast(x: Array, dtype: Dtype | None) -> Array:
@@ -246,13 +248,13 @@ class GPT(nn.Module):
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             value = getattr(self, key)
             if value < 1:
-                raise ValueError(f"model.{key}: must be a positive integer, got {value}")
+                raise ConfigError(f"model.{key}: must be a positive integer, got {value}")
         if self.d_model % self.n_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
             )
         if self.positions == "rotary" and (self.d_model // self.n_heads) % 2:
-            raise ValueError(
+            raise ConfigError(
                 f"model.positions='rotary' needs an even head dim; got d_model/n_heads="
                 f"{self.d_model // self.n_heads}"
             )
@@ -296,7 +298,7 @@ class GPT(nn.Module):
             raise ValueError(f"GPT expects tokens of shape [batch, length], got {tokens.shape}")
         length = tokens.shape[1]
         if length > self.max_seq_len:
-            raise ValueError(
+            raise ConfigError(
                 f"sequence length {length} exceeds model.max_seq_len={self.max_seq_len}"
             )
         embedding = _logical_param(
@@ -348,10 +350,10 @@ def build_gpt(model_cfg: Any, *, remat_policy: str = "none") -> GPT:
     """
     model_type = getattr(model_cfg, "type", "gpt")
     if model_type != "gpt":
-        raise ValueError(f"model.type: got {model_type!r}; accepted values are ['gpt']")
+        raise ConfigError(f"model.type: got {model_type!r}; accepted values are ['gpt']")
     for key in ("moe", "sparse_attention"):
         if getattr(model_cfg, key, None) is not None:
-            raise ValueError(f"model.{key}: not supported yet by the reference GPT; set it to null")
+            raise ConfigError(f"model.{key}: not supported yet by the reference GPT; set it to null")
     kwargs = {key: getattr(model_cfg, key) for key in _GPT_FIELDS if hasattr(model_cfg, key)}
     return GPT(**kwargs, remat_policy=remat_policy)
 
