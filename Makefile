@@ -21,10 +21,10 @@ train: $(STAMP)
 	$(VENV)/bin/jaxspeed train $(CONFIG) --output $(OUTPUT) $(TRAIN_ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --durations=15
+	$(PY) -m pytest -n 2 --dist loadfile --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -n 2 -m "not slow"
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow"
 
 plan: $(STAMP)
 	$(VENV)/bin/jaxspeed plan configs/gpt_tp2_zero3.yaml --cpu-devices 8

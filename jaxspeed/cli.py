@@ -111,8 +111,8 @@ def _bench(args) -> int:
     from jaxspeed.errors import JaxspeedError
 
     script = BENCHMARKS / f"{args.name}.py"
-    if not script.is_file():
-        names = sorted(p.stem for p in BENCHMARKS.glob("*.py")) if BENCHMARKS.is_dir() else []
+    if args.name.startswith("_") or not script.is_file():
+        names = sorted(p.stem for p in BENCHMARKS.glob("[!_]*.py")) if BENCHMARKS.is_dir() else []
         raise JaxspeedError(f"unknown benchmark {args.name!r}; available: {names}")
     sys.argv = [str(script), *args.args]
     runpy.run_path(str(script), run_name="__main__")

@@ -6,7 +6,6 @@ import math
 from typing import Any
 
 import jax
-import numpy as np
 
 
 def sharded_bytes(tree) -> int:
@@ -14,7 +13,7 @@ def sharded_bytes(tree) -> int:
     total = 0
     for x in jax.tree.leaves(tree):
         shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+        total += math.prod(shape) * x.dtype.itemsize  # PRNG key dtypes have an itemsize too
     return total
 
 

@@ -209,3 +209,13 @@ def test_memory_report_fields(engine_runs):
     per = report["per_device_bytes"]
     assert set(per) == {"params", "grads", "opt_state", "temp", "total"}
     assert per["total"] >= per["temp"] > 0 and report["host_bytes"] == 0
+
+
+def test_sharded_bytes_counts_the_whole_state(engine_runs):
+    from jaxspeed.memory import sharded_bytes
+
+    engine, _, _ = engine_runs["data8", 3]
+    abstract = engine.abstract_state()
+    assert sharded_bytes(abstract) == sum(
+        sharded_bytes(part) for part in (abstract.step, abstract.params, abstract.opt_state, abstract.rng)
+    )

@@ -1,0 +1,107 @@
+"""Shared pieces of the benchmarks: emulated devices, the result table, the JSON lines.
+
+Import this module before JAX: `use_cpu_devices` must run before JAX creates its backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+#: The repository root (benchmarks/..), so configs resolve from any working directory.
+ROOT = Path(__file__).resolve().parent.parent
+DEVICES = 8
+
+
+def use_cpu_devices(count: int = DEVICES) -> None:
+    """Asks for `count` emulated CPU devices, then checks that JAX has exactly that many.
+
+    Run directly (`python benchmarks/NAME.py`) the flags are set before JAX starts. Under
+    `jaxspeed bench NAME` JAX may already be imported, or even running: then whatever devices
+    exist are used, and anything other than `count` of them stops the benchmark with a message.
+    """
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        pass  # the backend already started (e.g. under `jaxspeed bench`): use what exists
+    found = jax.device_count()
+    if found != count:
+        raise SystemExit(
+            f"this benchmark needs {count} devices, JAX has {found} "
+            f"({jax.devices()[0].platform}). Run it from the repository root as "
+            f"`python benchmarks/{Path(sys.argv[0]).name}`, or start it with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} JAX_PLATFORMS=cpu "
+            f"so JAX creates {count} CPU devices."
+        )
+
+
+def ratio(better: float, worse: float) -> float:
+    """`better / worse`, rounded to 3 digits (how many times better)."""
+    return round(better / worse, 3) if worse else float("nan")
+
+
+def result(
+    benchmark: str, *, case: str, jaxspeed: float, baseline: float, unit: str, ratio: float,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One result object with the keys every benchmark line carries, then `extra`."""
+    return {
+        "benchmark": benchmark,
+        "case": case,
+        "jaxspeed": _round(jaxspeed),
+        "baseline": _round(baseline),
+        "unit": unit,
+        "ratio": ratio,
+        **extra,
+    }
+
+
+def _round(x: float) -> float:
+    if not math.isfinite(x) or x == 0:
+        return x
+    digits = max(0, 4 - int(math.floor(math.log10(abs(x)))))
+    return round(x, digits)
+
+
+def print_json(obj: dict[str, Any]) -> None:
+    """Prints one JSON object on one line (the last one printed is the headline)."""
+    print(json.dumps(obj), flush=True)
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Prints a plain fixed-width table: the first column left-aligned, the rest right."""
+    cells = [[str(c) for c in header]] + [[_cell(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+
+    def line(row):
+        first = row[0].ljust(widths[0])
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))])
+
+    print(line(cells[0]))
+    print("  ".join("-" * w for w in widths))
+    for row in cells[1:]:
+        print(line(row))
+    sys.stdout.flush()
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def mib(n: float) -> float:
+    """Bytes → MiB."""
+    return n / 2**20
