@@ -78,9 +78,12 @@ def _loss_and_grads(spec: StepSpec, params, micro_batches, scale):
         grads_sum = constrain(jax.tree.map(jnp.add, grads_sum, grads))
         return (grads_sum, loss_sum + loss), None
 
+    n = spec.accumulation
+    if n == 1:  # no accumulator to carry: one microbatch, no scan
+        (_, loss), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro_batches))
+        return loss, constrain(jax.tree.map(lambda g: g / scale, grads))
     zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro_batches)
-    n = spec.accumulation
     grads = jax.tree.map(lambda g: g / (n * scale), grads)
     return loss / n, constrain(grads)
 
