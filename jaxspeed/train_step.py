@@ -71,21 +71,21 @@ def _loss_and_grads(spec: StepSpec, params, micro_batches, scale):
     """Mean loss and fp32 gradients over the microbatches (a scan, no Python loop)."""
     grad_fn = jax.value_and_grad(lambda p, b: _microbatch_loss(spec, p, b, scale), has_aux=True)
     constrain = lambda g: jax.lax.with_sharding_constraint(g, spec.grad_shardings)  # noqa: E731
+    n = spec.accumulation
+    if n == 1:  # one microbatch: no accumulator to carry
+        (_, loss), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro_batches))
+        return loss, constrain(jax.tree.map(lambda g: g / scale, grads))
 
     def body(carry, batch):
         grads_sum, loss_sum = carry
         (_, loss), grads = grad_fn(params, batch)
+        # ZeRO-2/3: the running sum already lives in the gradient sharding (reduce-scattered).
         grads_sum = constrain(jax.tree.map(jnp.add, grads_sum, grads))
         return (grads_sum, loss_sum + loss), None
 
-    n = spec.accumulation
-    if n == 1:  # no accumulator to carry: one microbatch, no scan
-        (_, loss), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro_batches))
-        return loss, constrain(jax.tree.map(lambda g: g / scale, grads))
     zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro_batches)
-    grads = jax.tree.map(lambda g: g / (n * scale), grads)
-    return loss / n, constrain(grads)
+    return loss / n, constrain(jax.tree.map(lambda g: g / (n * scale), grads))
 
 
 def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
