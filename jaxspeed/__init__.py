@@ -1,6 +1,6 @@
 """jaxspeed: JAX/XLA-native parallel training; every parallelism is a sharding XLA compiles."""
 
-from jaxspeed import distributed, optim, sharding
+from jaxspeed import distributed, export, optim, sharding
 from jaxspeed.config import Config, load_config
 from jaxspeed.engine import Engine, initialize
 from jaxspeed.errors import ConfigError, JaxspeedError
@@ -16,6 +16,7 @@ __all__ = [
     "Plan",
     "TrainState",
     "distributed",
+    "export",
     "initialize",
     "load_config",
     "make_mesh",

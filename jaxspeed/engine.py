@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -15,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspeed import precision
 from jaxspeed.adapters import ModelFns, model_fns
+from jaxspeed.checkpoint import Checkpointer
 from jaxspeed.config import Config, load_config, resolve_batch
 from jaxspeed.data import make_global_batch
 from jaxspeed.errors import ConfigError
@@ -41,6 +43,7 @@ class Engine:
         self.batch_sizes = resolve_batch(config, data_parallel_size(mesh))
         self.tx, self.schedule = build_optimizer(config)
         self.compute_dtype = precision.compute_dtype(config)
+        self._checkpointers: dict[str, Checkpointer] = {}
         self._spec = StepSpec(
             apply=fns.apply,
             loss_fn=loss_fn,
@@ -155,6 +158,32 @@ class Engine:
         """Lowers and compiles the train step for the abstract state and batch."""
         with self._context():
             return self._train.lower(self.abstract_state(), self.abstract_batch()).compile()
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def checkpointer(self, directory: str | Path | None = None) -> Checkpointer:
+        """The `Checkpointer` for `directory` (default `checkpoint.dir` of the config)."""
+        directory = directory if directory is not None else self.config.checkpoint.dir
+        if directory is None:
+            raise ConfigError("no checkpoint directory: set checkpoint.dir or pass directory=")
+        key = str(Path(directory).absolute())
+        if key not in self._checkpointers:
+            ckpt = self.config.checkpoint
+            self._checkpointers[key] = Checkpointer(key, keep=ckpt.keep, async_save=ckpt.async_)
+        return self._checkpointers[key]
+
+    def save(self, state: TrainState, *, directory=None, meta: dict | None = None) -> int:
+        """Saves `state` with Orbax (atomic; async when `checkpoint.async`). Returns the step."""
+        meta = {"step": int(jax.device_get(state.step)), "config": self.config.to_dict(), **(meta or {})}
+        return self.checkpointer(directory).save(state, meta=meta)
+
+    def restore(self, *, directory=None, step: int | None = None) -> TrainState:
+        """Restores the newest (or `step`) checkpoint onto this engine's mesh and plan.
+
+        The checkpoint may come from another mesh, ZeRO stage or tensor-parallel degree:
+        Orbax reads each array straight into this engine's shardings.
+        """
+        state, _ = self.checkpointer(directory).restore(self.abstract_state(), step=step)
+        return state
 
     def memory_report(self) -> dict[str, Any]:
         """Per-device bytes by category, estimated from shardings and read from the compiled step."""

@@ -1,20 +1,45 @@
-"""The training loop behind `jaxspeed train`: data, steps, evaluation, metrics, progress."""
+"""The training loop behind `jaxspeed train`: data, steps, evaluation, metrics, checkpoints.
+
+A run resumes from the newest complete checkpoint in its checkpoint directory; the data order
+and RNG continue exactly as if it had never stopped (batches are a function of the step).
+SIGTERM or SIGINT (preemption, Ctrl-C) finishes the current step, saves, and stops.
+"""
 
 from __future__ import annotations
 
+import math
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from jaxspeed.config import Config
 from jaxspeed.data import TokenDataset
 from jaxspeed.engine import Engine, initialize
-from jaxspeed.errors import ConfigError
+from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.metrics_log import MetricsLog
+
+
+class TrainingInterrupted(JaxspeedError):
+    """SIGTERM/SIGINT stopped the run after a checkpoint was saved."""
+
+    def __init__(self, signum: int, step: int, directory: Path):
+        self.signum = signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved in "
+            f"{directory} (run the same command to resume)"
+        )
+
+
+class NonFiniteLoss(JaxspeedError):
+    """The loss or gradient norm became inf/NaN in bf16/fp32 training."""
 
 
 def _check_vocab(config: Config, dataset: TokenDataset) -> None:
@@ -44,6 +69,48 @@ def _local_batch(engine: Engine, dataset: TokenDataset, step: int, *, split: str
     )
 
 
+@contextmanager
+def _stop_on_signals():
+    """Records SIGTERM/SIGINT instead of dying, so the loop can save first."""
+    received: dict[str, int | None] = {"signum": None}
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum, frame):
+        received["signum"] = signum
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _agreed(flag: bool) -> bool:
+    """True on every process if any process saw a signal, so all of them save the same step."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.array(flag)).any())
+
+
+def _check_finite(config: Config, metrics: dict[str, float], step: int, ckpt) -> None:
+    """bf16/fp32: a non-finite loss stops the run before anything non-finite is saved."""
+    if config.fp16.enabled:  # fp16 skips such steps through loss scaling instead
+        return
+    bad = {k: metrics[k] for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])}
+    if bad:
+        last = ckpt.latest_step()
+        where = f"the newest good checkpoint is step {last} in {ckpt.directory}" if last is not None else "no checkpoint was saved"
+        raise NonFiniteLoss(
+            f"non-finite {', '.join(f'{k}={v}' for k, v in bad.items())} at step {step}; "
+            f"stopping without saving ({where}). Lower optimizer.params.lr or raise gradient_clipping."
+        )
+
+
 def train(
     config: Config,
     *,
@@ -51,10 +118,11 @@ def train(
     steps: int | None = None,
     progress: bool | None = None,
 ) -> dict[str, Any]:
-    """Trains the reference GPT described by `config` on its data for `steps` steps.
+    """Trains the reference GPT described by `config` up to `steps` total steps.
 
-    Writes `output_dir/metrics.jsonl` (and TensorBoard events when `logging.tensorboard`).
-    Returns the last logged record.
+    Writes `output_dir/metrics.jsonl` (and TensorBoard events when `logging.tensorboard`) and
+    checkpoints in `checkpoint.dir` (default `output_dir/checkpoints`), resuming from the newest
+    complete one. Returns the last logged record.
     """
     steps = config.steps if steps is None else steps
     if steps < 1:
@@ -62,38 +130,56 @@ def train(
     dataset = TokenDataset.from_config(config.data, seed=config.seed)
     _check_vocab(config, dataset)
     engine = initialize(config)
-    state = engine.init(jax.random.key(config.seed))
+    ckpt = engine.checkpointer(config.checkpoint.dir or Path(output_dir) / "checkpoints")
+    if ckpt.latest_step() is not None:
+        state = engine.restore(directory=ckpt.directory)
+    else:
+        state = engine.init(jax.random.key(config.seed))
+    start = int(jax.device_get(state.step))
     is_main = jax.process_index() == 0
     log = MetricsLog(output_dir, tensorboard=config.logging.tensorboard, enabled=is_main)
     every = max(1, config.logging.every_n_steps)
+    save_every = config.checkpoint.every_n_steps
     eval_every = config.logging.eval_every_n_steps
     tokens_per_step = engine.batch_sizes.train_batch_size * config.data.seq_len
     show = sys.stderr.isatty() if progress is None else progress
-    bar = tqdm(total=steps, desc="train", unit="step", disable=not (show and is_main))
+    bar = tqdm(total=steps, initial=start, desc="train", unit="step", disable=not (show and is_main))
     record: dict[str, Any] = {}
-    last_time, last_step = time.perf_counter(), 0
+    last_time, last_step = time.perf_counter(), start
     try:
-        for step in range(steps):
-            state, metrics = engine.train_step(state, _local_batch(engine, dataset, step))
-            bar.update(1)
-            done = step + 1
-            if done % every and done != steps:
-                continue
-            metrics = jax.device_get(metrics)  # waits for the step: timing is honest
-            now = time.perf_counter()
-            record = {
-                "step": done,
-                **{k: float(v) for k, v in metrics.items()},
-                "tokens_per_second": tokens_per_step * (done - last_step) / (now - last_time),
-            }
-            if eval_every and (done % eval_every == 0 or done == steps):
-                record["eval_loss"] = evaluate(
-                    engine, state, dataset, batches=config.logging.eval_batches
-                )
-            log.write(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
-            last_time, last_step = time.perf_counter(), done
+        with _stop_on_signals() as stop:
+            for step in range(start, steps):
+                state, metrics = engine.train_step(state, _local_batch(engine, dataset, step))
+                bar.update(1)
+                done = step + 1
+                logging_now = done % every == 0 or done == steps
+                saving_now = bool(save_every) and done % save_every == 0
+                stopping = _agreed(stop["signum"] is not None)
+                final = done == steps or stopping
+                if not (logging_now or saving_now or final):
+                    continue
+                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                _check_finite(config, values, done, ckpt)
+                if logging_now:
+                    now = time.perf_counter()
+                    record = {
+                        "step": done, **values,
+                        "tokens_per_second": tokens_per_step * (done - last_step) / (now - last_time),
+                    }
+                    if eval_every and (done % eval_every == 0 or done == steps):
+                        record["eval_loss"] = evaluate(
+                            engine, state, dataset, batches=config.logging.eval_batches
+                        )
+                    log.write(record)
+                    bar.set_postfix(loss=f"{values['loss']:.4f}")
+                if saving_now or final:
+                    engine.save(state, directory=ckpt.directory, meta={"data_position": done})
+                if logging_now:
+                    last_time, last_step = time.perf_counter(), done
+                if stopping:
+                    raise TrainingInterrupted(stop["signum"] or signal.SIGTERM, done, ckpt.directory)
     finally:
         bar.close()
         log.close()
+        ckpt.wait()
     return record

@@ -1,0 +1,177 @@
+"""Checkpoints: exact resume, restore onto another mesh/ZeRO stage, preemption, bad input, export."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import chex
+import jax
+import numpy as np
+import pytest
+from flax import serialization
+
+import jaxspeed as js
+from jaxspeed.checkpoint import Checkpointer, CheckpointError
+from jaxspeed.data import TokenDataset
+from jaxspeed.train_loop import NonFiniteLoss, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
+    "model.max_seq_len=16", "data.seq_len=16", "data.max_bytes=200000", "train_batch_size=8",
+    "optimizer.params.lr=0.003", "gradient_clipping=1.0", "logging.every_n_steps=1",
+]
+
+
+def config(*overrides):
+    return js.load_config(None, overrides=[*TINY, *overrides])
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return TokenDataset.from_config(config().data, seed=0)
+
+
+def run(engine, state, dataset, steps):
+    losses = []
+    for step in range(int(state.step), int(state.step) + steps):
+        state, metrics = engine.train_step(state, dataset.batch(step, global_batch=8))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["zero_optimization.stage=0"], ["zero_optimization.stage=3"],
+     ["zero_optimization.stage=3", "fp16.enabled=true", "fp16.initial_scale_power=30"]],
+    ids=["zero0", "zero3", "zero3-fp16"],
+)
+def test_resume_is_bit_exact(tmp_path, dataset, overrides):
+    cfg = config("mesh.data=8", *overrides)
+    engine = js.initialize(cfg)
+    straight, straight_losses = run(engine, engine.init(jax.random.key(0)), dataset, 20)
+
+    first = js.initialize(cfg)
+    half, losses_a = run(first, first.init(jax.random.key(0)), dataset, 10)
+    first.save(half, directory=tmp_path)
+    first.checkpointer(tmp_path).wait()
+    second = js.initialize(cfg)  # a new engine: nothing carried over but the checkpoint
+    resumed, losses_b = run(second, second.restore(directory=tmp_path), dataset, 10)
+
+    assert losses_a + losses_b == straight_losses
+    chex.assert_trees_all_equal(jax.device_get(resumed.params), jax.device_get(straight.params))
+    chex.assert_trees_all_equal(jax.device_get(resumed.opt_state), jax.device_get(straight.opt_state))
+    chex.assert_trees_all_equal(jax.random.key_data(resumed.rng), jax.random.key_data(straight.rng))
+    if cfg.fp16.enabled:
+        chex.assert_trees_all_equal(jax.device_get(resumed.loss_scale), jax.device_get(straight.loss_scale))
+        assert int(resumed.loss_scale.hysteresis) >= 0
+
+
+@pytest.mark.parametrize(
+    "saved, restored",
+    [(["mesh.data=8", "zero_optimization.stage=3"], ["mesh.data=4", "mesh.tensor=2", "zero_optimization.stage=1"]),
+     (["mesh.data=4", "mesh.tensor=2", "zero_optimization.stage=1"], ["mesh.data=8", "zero_optimization.stage=3"])],
+    ids=["z3-data8-to-z1-tp2", "z1-tp2-to-z3-data8"],
+)
+def test_restore_onto_another_mesh_and_stage(tmp_path, dataset, saved, restored):
+    engine = js.initialize(config(*saved))
+    state, _ = run(engine, engine.init(jax.random.key(0)), dataset, 3)
+    engine.save(state, directory=tmp_path)
+    engine.checkpointer(tmp_path).wait()
+    _, never_moved = run(engine, state, dataset, 3)
+
+    moved_engine = js.initialize(config(*restored))
+    moved = moved_engine.restore(directory=tmp_path)
+    for arr, sharding in zip(jax.tree.leaves(moved), jax.tree.leaves(moved_engine.state_shardings)):
+        assert arr.sharding.is_equivalent_to(sharding, arr.ndim)
+    _, moved_losses = run(moved_engine, moved, dataset, 3)
+    np.testing.assert_allclose(moved_losses, never_moved, rtol=1e-6)
+
+
+def test_incompatible_checkpoint_names_the_leaf(tmp_path):
+    engine = js.initialize(config())
+    engine.save(engine.init(jax.random.key(0)), directory=tmp_path)
+    engine.checkpointer(tmp_path).wait()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    other = js.initialize(config("model.d_model=64"))
+    with pytest.raises(CheckpointError, match=r"params\.embedding: saved \(256, 32\), model needs \(256, 64\)"):
+        other.restore(directory=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    engine = js.initialize(config())
+    engine.save(engine.init(jax.random.key(0)), directory=tmp_path)
+    engine.checkpointer(tmp_path).wait()
+    for f in (tmp_path / "0" / "state").rglob("d/*"):  # the array data files
+        f.unlink()
+    with pytest.raises(CheckpointError, match=str(tmp_path)):
+        js.initialize(config()).restore(directory=tmp_path)
+
+
+def test_no_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        Checkpointer(tmp_path).restore(None)
+
+
+def test_train_resumes_and_exports(tmp_path):
+    cfg = config("checkpoint.every_n_steps=2", "checkpoint.keep=2")
+    straight = tmp_path / "straight"
+    train(cfg, output_dir=straight, steps=6, progress=False)
+    resumed = tmp_path / "resumed"
+    train(cfg, output_dir=resumed, steps=4, progress=False)
+    record = train(cfg, output_dir=resumed, steps=6, progress=False)  # continues from step 4
+    read = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert [r["step"] for r in read(resumed)] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in read(resumed)] == [r["loss"] for r in read(straight)]
+    assert record["step"] == 6
+    assert Checkpointer(resumed / "checkpoints").all_steps() == [4, 6]  # keep=2
+
+    out = js.export.export_params(resumed / "checkpoints", tmp_path / "params.msgpack")
+    params = serialization.msgpack_restore(out.read_bytes())
+    engine = js.initialize(cfg)
+    expected = jax.device_get(engine.restore(directory=resumed / "checkpoints").params)
+    chex.assert_trees_all_equal(params, expected)
+
+
+def test_non_finite_loss_stops_without_saving(tmp_path):
+    cfg = config("optimizer.params.lr=1.0e+30", "gradient_clipping=0.0", "checkpoint.every_n_steps=1")
+    with pytest.raises(NonFiniteLoss, match=r"at step \d+"):
+        train(cfg, output_dir=tmp_path, steps=10, progress=False)
+    ckpt = Checkpointer(tmp_path / "checkpoints")
+    for step in ckpt.all_steps():  # whatever was saved is finite
+        state, _ = ckpt.restore(js.initialize(cfg).abstract_state(), step=step)
+        assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_resume_continues(tmp_path):
+    cfg = tmp_path / "cfg.json"
+    raw = js.load_config(None, overrides=TINY).to_dict()
+    cfg.write_text(json.dumps(raw))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "jaxspeed.cli", "train", str(cfg), "--cpu-devices", "8",
+           "--output", str(tmp_path / "run"), "--steps", "100000", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM" in err and "Traceback" not in err
+    saved = Checkpointer(tmp_path / "run" / "checkpoints").latest_step()
+    logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert saved is not None and saved >= logged[-1]  # no completed step is lost
+
+    resume = subprocess.run(cmd[:-3] + ["--steps", str(saved + 2), "--no-progress"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert resume.returncode == 0, resume.stderr
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert steps[-2:] == [saved + 1, saved + 2]
