@@ -1,4 +1,4 @@
-"""`jaxspeed train | plan | bench`: thin shells over the library.
+"""`jaxspeed train | plan | bench | export | launch`: thin shells over the library.
 
 JAX is imported only after the flags are read, so `--cpu-devices` can still set the number of
 emulated CPU devices. Errors caused by input are printed as one line, with exit code 2.
@@ -25,6 +25,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--cpu-devices", type=int, default=None, metavar="N",
         help="emulate N CPU devices (sets the host platform device count before JAX starts)",
     )
+    parser.add_argument(
+        "--distributed", action="store_true",
+        help="call jax.distributed.initialize() first, auto-detecting the cluster (SLURM, "
+        "Open MPI, Kubernetes, TPU pods); implied under `jaxspeed launch`",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +49,37 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark from benchmarks/")
     bench.add_argument("name", help="benchmark name, e.g. zero_memory")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+
+    export = sub.add_parser(
+        "export", help="write a checkpoint's params, consolidated, for one device (zero_to_fp32)"
+    )
+    export.add_argument("checkpoint", help="checkpoint directory, e.g. runs/x/checkpoints")
+    export.add_argument("--out", required=True, help="output file (.msgpack, Flax serialization)")
+    export.add_argument("--step", type=int, default=None, help="default: the newest complete one")
+
+    launch = sub.add_parser(
+        "launch", help="run N processes of a command on this machine, wired for jax.distributed",
+        usage="jaxspeed launch --nproc N [--cpu-devices K] [--timeout S] -- COMMAND ...",
+    )
+    launch.add_argument("--nproc", type=int, required=True, metavar="N", help="processes to start")
+    launch.add_argument(
+        "--cpu-devices", dest="child_cpu_devices", type=int, default=None, metavar="K",
+        help="emulated CPU devices per process (N*K in all), with gloo collectives",
+    )
+    launch.add_argument(
+        "--timeout", type=float, default=None, metavar="S",
+        help="stop every process after S seconds and exit 124 (default: no limit)",
+    )
+    launch.add_argument(
+        "--init-timeout", type=int, default=None, metavar="S",
+        help="seconds the processes wait for each other at start-up (default 120)",
+    )
+    launch.add_argument(
+        "--grace", type=float, default=None, metavar="S",
+        help="seconds between SIGTERM and SIGKILL when stopping processes (default 10)",
+    )
+    launch.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                        help="the command each process runs")
     return parser
 
 
@@ -57,10 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspeed.errors import JaxspeedError
 
     try:
-        return {"train": _train, "plan": _plan, "bench": _bench}[args.command](args)
+        if args.command in ("train", "plan"):
+            from jaxspeed import distributed
+
+            if args.distributed or distributed.launched():
+                distributed.initialize()  # before any JAX computation
+        handlers = {
+            "train": _train, "plan": _plan, "bench": _bench, "launch": _launch, "export": _export,
+        }
+        return handlers[args.command](args)
     except JaxspeedError as err:
-        print(f"jaxspeed {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        signum = getattr(err, "signum", None)  # preempted: the checkpoint is saved
+        print(f"jaxspeed {args.command}: {'' if signum else 'error: '}{err}", file=sys.stderr)
+        return 128 + signum if signum else 2
 
 
 def _train(args) -> int:
@@ -117,6 +162,25 @@ def _bench(args) -> int:
     sys.argv = [str(script), *args.args]
     runpy.run_path(str(script), run_name="__main__")
     return 0
+
+
+def _export(args) -> int:
+    from jaxspeed.export import export_params
+
+    out = export_params(args.checkpoint, args.out, step=args.step)
+    print(f"wrote {out}")
+    return 0
+
+
+def _launch(args) -> int:
+    from jaxspeed.launch import DEFAULT_GRACE, DEFAULT_INIT_TIMEOUT, launch
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    return launch(
+        command, nproc=args.nproc, cpu_devices=args.child_cpu_devices, timeout=args.timeout,
+        init_timeout=DEFAULT_INIT_TIMEOUT if args.init_timeout is None else args.init_timeout,
+        grace=DEFAULT_GRACE if args.grace is None else args.grace,
+    )
 
 
 if __name__ == "__main__":

@@ -1,13 +1,27 @@
 """Process-level setup: emulated CPU devices and `jax.distributed` for multi-process runs.
 
 Both must run before JAX creates its backend (the first `jax.devices()` call).
+
+`jaxspeed launch` (see `jaxspeed.launch`) tells each process where it stands through
+environment variables; `initialize()` reads them, and without them lets
+`jax.distributed.initialize` auto-detect the cluster (SLURM, Open MPI, Kubernetes, TPU pods).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import jax
+
+from jaxspeed.errors import JaxspeedError
+
+ENV_COORDINATOR = "JAXSPEED_COORDINATOR"  # "host:port" of process 0's coordination service
+ENV_NUM_PROCESSES = "JAXSPEED_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXSPEED_PROCESS_ID"
+ENV_CPU_DEVICES = "JAXSPEED_CPU_DEVICES"  # emulated CPU devices per process (informational)
+ENV_INIT_TIMEOUT = "JAXSPEED_INIT_TIMEOUT"  # seconds for the start-up barrier
+DEFAULT_INIT_TIMEOUT = 300  # jax.distributed's own default, for clusters
 
 
 def set_cpu_devices(count: int) -> None:
@@ -21,6 +35,22 @@ def set_cpu_devices(count: int) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
+def launched(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process was started by `jaxspeed launch` (its env names a process count)."""
+    environ = os.environ if environ is None else environ
+    return bool(environ.get(ENV_NUM_PROCESSES))
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise JaxspeedError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -28,13 +58,16 @@ def initialize(
     *,
     local_device_ids=None,
     cpu_collectives: str = "gloo",
-    initialization_timeout: int = 300,
+    initialization_timeout: int | None = None,
 ) -> None:
     """Starts JAX's distributed runtime; a thin wrapper over `jax.distributed.initialize`.
 
-    With no arguments, JAX auto-detects the cluster (SLURM, Open MPI, Kubernetes, TPU pods).
-    On CPU, cross-process collectives use `cpu_collectives` (gloo), which JAX needs to be told
-    before the backend starts.
+    Arguments left as None are read from the `JAXSPEED_*` variables that `jaxspeed launch`
+    sets (`JAXSPEED_COORDINATOR`, `JAXSPEED_NUM_PROCESSES`, `JAXSPEED_PROCESS_ID`,
+    `JAXSPEED_INIT_TIMEOUT`); where those are absent too, JAX auto-detects the cluster
+    (SLURM, Open MPI, Kubernetes, TPU pods). On CPU, cross-process collectives use
+    `cpu_collectives` (gloo), which JAX needs to be told before the backend starts. Call this
+    before any JAX computation.
 
     Args:
       coordinator_address: "host:port" of process 0.
@@ -42,13 +75,39 @@ def initialize(
       process_id: this process's rank.
       local_device_ids: devices this process drives (default: all visible).
       cpu_collectives: `jax_cpu_collectives_implementation` for CPU runs.
-      initialization_timeout: seconds to wait for every process at start-up.
+      initialization_timeout: seconds to wait for every process at start-up (default:
+        `JAXSPEED_INIT_TIMEOUT`, else 300).
+
+    Raises:
+      JaxspeedError: when the runtime does not start (e.g. a process did not arrive at the
+        start-up barrier in time), naming the coordinator and this process's rank.
     """
+    env = os.environ
+    if coordinator_address is None:
+        coordinator_address = env.get(ENV_COORDINATOR) or None
+    if num_processes is None:
+        num_processes = _env_int(env, ENV_NUM_PROCESSES)
+    if process_id is None:
+        process_id = _env_int(env, ENV_PROCESS_ID)
+    if initialization_timeout is None:
+        initialization_timeout = _env_int(env, ENV_INIT_TIMEOUT) or DEFAULT_INIT_TIMEOUT
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        local_device_ids=local_device_ids,
-        initialization_timeout=initialization_timeout,
-    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            local_device_ids=local_device_ids,
+            initialization_timeout=initialization_timeout,
+        )
+    except (RuntimeError, ValueError) as err:
+        where = (
+            f"coordinator {coordinator_address}, process {process_id} of {num_processes}"
+            if coordinator_address
+            else "cluster auto-detection"
+        )
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise JaxspeedError(
+            f"jax.distributed.initialize failed ({where}, timeout {initialization_timeout} s): "
+            f"{first}"
+        ) from err

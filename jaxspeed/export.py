@@ -38,6 +38,8 @@ def export_params(checkpoint_dir: str | Path, out: str | Path, *, step: int | No
     out = Path(out)
     if out.suffix != ".msgpack":
         raise CheckpointError(f"--out {out}: only .msgpack (Flax serialization) is supported")
+    if not Path(checkpoint_dir).is_dir():
+        raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist")
     ckpt = Checkpointer(checkpoint_dir)
     if not ckpt.all_steps():
         raise CheckpointError(f"no complete checkpoint in {ckpt.directory}")

@@ -137,6 +137,13 @@ def test_train_resumes_and_exports(tmp_path):
     expected = jax.device_get(engine.restore(directory=resumed / "checkpoints").params)
     chex.assert_trees_all_equal(params, expected)
 
+    from jaxspeed.cli import main
+
+    assert main(["export", str(resumed / "checkpoints"), "--out", str(tmp_path / "p2.msgpack")]) == 0
+    assert (tmp_path / "p2.msgpack").read_bytes() == out.read_bytes()
+    assert main(["export", str(resumed / "checkpoints"), "--out", str(tmp_path / "p.bin")]) == 2
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "p3.msgpack")]) == 2
+
 
 def test_non_finite_loss_stops_without_saving(tmp_path):
     cfg = config("optimizer.params.lr=1.0e+30", "gradient_clipping=0.0", "checkpoint.every_n_steps=1")
@@ -175,3 +182,32 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     assert resume.returncode == 0, resume.stderr
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps[-2:] == [saved + 1, saved + 2]
+
+
+@pytest.mark.slow
+def test_kill_during_async_save_loses_nothing_complete(tmp_path):
+    """kill -9 while async saves run every step: the restart resumes from the last complete one."""
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(js.load_config(None, overrides=[*TINY, "checkpoint.every_n_steps=1", "checkpoint.keep=2"]).to_dict()))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxspeed.cli", "train", str(cfg), "--cpu-devices", "8",
+           "--output", str(run_dir), "--no-progress"]
+    proc = subprocess.Popen([*cmd, "--steps", "100000"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt_dir = run_dir / "checkpoints"
+    deadline = time.time() + 240
+    while time.time() < deadline and len(Checkpointer(ckpt_dir).all_steps() if ckpt_dir.exists() else []) < 2:
+        time.sleep(0.5)
+    time.sleep(1.3)  # land somewhere inside the next saves
+    proc.kill()
+    proc.wait(timeout=60)
+    complete = Checkpointer(ckpt_dir).latest_step()
+    assert complete is not None and complete >= 2
+    resume = subprocess.run([*cmd, "--steps", str(complete + 2)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    assert Checkpointer(ckpt_dir).latest_step() == complete + 2
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [complete + 1, complete + 2]

@@ -1,0 +1,270 @@
+"""`jaxspeed launch`: N processes form one mesh, a dying rank stops the run, nothing hangs."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxspeed.cli import main
+from jaxspeed.launch import child_env, last_error_line, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "jaxspeed.cli"]
+TINY = {
+    "mesh": {"data": -1},
+    "train_micro_batch_size_per_device": 1,
+    "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "max_seq_len": 32},
+    "data": {"seq_len": 32, "max_bytes": 300000},
+    "logging": {"every_n_steps": 1},
+    "steps": 3,
+}
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """Children import jaxspeed from this checkout and start from a clean XLA_FLAGS."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    return dict(os.environ)
+
+
+def script(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def test_two_processes_match_one_process(tmp_path, env):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    stage3 = ["--set", "zero_optimization.stage=3", "--no-progress"]
+    # The 1-process baseline runs beside the launch (both are mostly compile time).
+    single = subprocess.Popen(
+        [*CLI, "train", str(config), "--cpu-devices", "8", "--output", str(tmp_path / "B"),
+         *stage3],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        multi = subprocess.run(
+            [*CLI, "launch", "--nproc", "2", "--cpu-devices", "4", "--timeout", "300", "--",
+             *CLI, "train", str(config), "--output", str(tmp_path / "A"), *stage3],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+        )
+        _, err = single.communicate(timeout=400)
+    finally:
+        single.kill()
+    assert single.returncode == 0, err
+    assert multi.returncode == 0, multi.stderr
+    finals = dict(  # each rank prints the last record as JSON
+        line.split(" ", 2)[1:] for line in multi.stdout.splitlines()
+        if line.startswith("[rank ") and line.endswith("}")
+    )
+    assert set(finals) == {"0]", "1]"}
+    assert all(json.loads(r)["step"] == 3 for r in finals.values())
+    a, b = losses(tmp_path / "A"), losses(tmp_path / "B")
+    assert len(a) == len(b) == 3
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_dying_rank_stops_the_others(tmp_path, env, capsys):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    child = script(tmp_path, "die.py", f"""
+        import os, sys, time
+        rank = int(os.environ["JAXSPEED_PROCESS_ID"])
+        open(os.path.join({str(pids)!r}, str(rank)), "w").write(str(os.getpid()))
+        waiting = os.path.join({str(pids)!r}, "..", "rank0-in-initialize")
+        if rank == 1:
+            for _ in range(300):  # fail once rank 0 blocks in the start-up barrier
+                if os.path.exists(waiting):
+                    break
+                time.sleep(0.1)
+            time.sleep(1)
+            print("RuntimeError: rank one broke", file=sys.stderr)
+            sys.exit(3)
+        from jaxspeed.distributed import initialize
+        open(waiting, "w").close()
+        initialize()  # waits for rank 1, which never comes
+        print("rank 0 got past initialize", flush=True)
+    """)
+    start = time.monotonic()
+    code = main(["launch", "--nproc", "2", "--cpu-devices", "4", "--grace", "5", "--",
+                 sys.executable, child])
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code == 3
+    assert elapsed < 60
+    assert "rank 1 exited with code 3; its last error line: RuntimeError: rank one broke" in err
+    assert "stopping the other ranks [0]" in err
+    for pid_file in pids.iterdir():  # nothing left running
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)
+
+
+def test_rank_killed_after_initialize(tmp_path, env):
+    """A rank killed mid-run (after the start-up barrier) ends the run, named, in bounded time."""
+    child = script(tmp_path, "kill9.py", """
+        import os, signal, time
+        from jaxspeed.distributed import initialize
+        initialize()
+        import jax
+        import jax.numpy as jnp
+        rank = jax.process_index()
+        print("devices", rank, jax.device_count(), jax.local_device_count(), flush=True)
+        if rank == 1:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # rank 0 keeps working until it is stopped
+            jax.block_until_ready(jnp.ones(4) + 1)
+            time.sleep(0.05)
+    """)
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    code = launch([sys.executable, child], nproc=2, cpu_devices=4, grace=2, timeout=120,
+                  stdout=out, stderr=err)
+    assert code == 128 + signal.SIGKILL
+    assert time.monotonic() - start < 60
+    assert sorted(line for line in out.getvalue().splitlines() if "devices" in line) == [
+        "[rank 0] devices 0 8 4", "[rank 1] devices 1 8 4"]
+    assert "jaxspeed launch: rank 1 was killed by SIGKILL" in err.getvalue()
+    assert "stopping the other ranks [0]" in err.getvalue()
+
+
+def test_start_up_barrier_times_out(tmp_path, env):
+    child = script(tmp_path, "late.py", """
+        import os, time
+        if os.environ["JAXSPEED_PROCESS_ID"] == "1":
+            time.sleep(600)  # never reaches jax.distributed.initialize
+        from jaxspeed.distributed import initialize
+        initialize()
+    """)
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    code = launch([sys.executable, child], nproc=2, cpu_devices=2, init_timeout=3, grace=2,
+                  stdout=out, stderr=err)
+    assert code != 0
+    assert time.monotonic() - start < 60
+    message = err.getvalue()
+    assert "jaxspeed launch: rank 0 " in message and "stopping the other ranks [1]" in message
+    assert "start-up barrier timed out" in message
+
+
+def test_overall_timeout_kills_everything(tmp_path, env):
+    child = script(tmp_path, "sleep.py", "import time; time.sleep(600)\n")
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    code = launch([sys.executable, child], nproc=2, timeout=1, grace=1, stdout=out, stderr=err)
+    assert code == 124
+    assert time.monotonic() - start < 20
+    assert "timed out after 1 s; stopping ranks [0, 1]" in err.getvalue()
+
+
+def test_children_get_rank_env_and_prefixed_output(tmp_path, env):
+    child = script(tmp_path, "env.py", """
+        import os, sys
+        e = os.environ
+        print(e["JAXSPEED_PROCESS_ID"], e["JAXSPEED_NUM_PROCESSES"], e["JAXSPEED_COORDINATOR"],
+              e["JAX_NUM_CPU_DEVICES"], e["XLA_FLAGS"])
+        print("to stderr", file=sys.stderr)
+    """)
+    out, err = io.StringIO(), io.StringIO()
+    assert launch([sys.executable, child], nproc=3, cpu_devices=2, stdout=out, stderr=err) == 0
+    lines = sorted(out.getvalue().splitlines())
+    assert len(lines) == 3
+    coordinators = set()
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"[rank {rank}] {rank} 3 127.0.0.1:")
+        coordinator, devices, flags = line.split(" ")[4:]
+        assert devices == "2" and flags == "--xla_force_host_platform_device_count=2"
+        coordinators.add(coordinator)
+    assert len(coordinators) == 1
+    assert sorted(err.getvalue().splitlines()) == [f"[rank {r}] to stderr" for r in range(3)]
+
+
+def test_signal_is_forwarded_to_children(tmp_path, env):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    child = script(tmp_path, "trap.py", f"""
+        import os, signal, sys, time
+        rank = os.environ["JAXSPEED_PROCESS_ID"]
+        def stop(signum, frame):
+            open(os.path.join({str(marks)!r}, "term-" + rank), "w").close()
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        open(os.path.join({str(marks)!r}, "ready-" + rank), "w").close()
+        time.sleep(600)
+    """)
+    launcher = subprocess.Popen(
+        [*CLI, "launch", "--nproc", "2", "--grace", "5", "--", sys.executable, child],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(marks.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert "got SIGTERM; forwarding it to every rank" in err
+    assert sorted(p.name for p in marks.glob("term-*")) == ["term-0", "term-1"]
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--nproc", "0", "--", sys.executable, "-c", "pass"], "--nproc must be >= 1, got 0"),
+        (["--nproc", "2"], "no command given"),
+        (["--nproc", "2", "--"], "no command given"),
+        (["--nproc", "2", "--cpu-devices", "0", "--", "true"], "--cpu-devices must be >= 1"),
+        (["--nproc", "1", "--", "/no/such/program"], "cannot start '/no/such/program'"),
+    ],
+    ids=["nproc-0", "no-command", "empty-command", "cpu-devices-0", "missing-program"],
+)
+def test_bad_input_is_one_line_exit_2(capsys, argv, match):
+    assert main(["launch", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxspeed launch: error:") and match in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_child_env_replaces_device_count():
+    env = child_env({"XLA_FLAGS": "--foo --xla_force_host_platform_device_count=8"},
+                    coordinator="127.0.0.1:1234", nproc=2, rank=1, cpu_devices=4, init_timeout=7)
+    assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=4"
+    assert env["JAXSPEED_PROCESS_ID"] == "1" and env["JAXSPEED_NUM_PROCESSES"] == "2"
+    assert env["JAXSPEED_INIT_TIMEOUT"] == "7"
+    assert env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
+    assert "JAX_PLATFORMS" not in child_env({}, coordinator="h:1", nproc=1, rank=0)
+
+
+def test_last_error_line_skips_native_stack_frames():
+    fatal = ("F1130 19:41:06.667557   16646 client.h:80] Terminating process because the JAX "
+             "distributed service detected fatal errors. absl::Status: DEADLINE_EXCEEDED")
+    lines = [fatal, "", "*** Check failure stack trace: ***",
+             "    @     0x7f8959ce40ee  xla::CoordinationServiceAgent::SetError()"]
+    assert last_error_line(lines).startswith("Terminating process because")
+    assert last_error_line(["Traceback (most recent call last):", '  File "x.py", line 1',
+                            "ValueError: bad"]) == "ValueError: bad"
+    assert last_error_line(["step 3", "done"]) is None
+
+
+def test_distributed_flag_without_a_cluster_is_one_clear_error(tmp_path, env):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    proc = subprocess.run([*CLI, "plan", str(config), "--distributed"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("jaxspeed plan: error: jax.distributed.initialize failed")
+    assert "Traceback" not in proc.stderr
