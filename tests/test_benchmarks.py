@@ -95,3 +95,16 @@ def test_zero_ideal_bytes_follow_the_zero_paper(stage, expected):
     ideal_bytes = load_benchmark("zero_memory").ideal_bytes
     # DeepSpeed mixed-precision Adam: 2 + 2 + K=12 bytes, Ψ = 1000, N = 8.
     assert ideal_bytes(stage, 1000, 8, (2, 2, 12)) == expected
+
+
+@pytest.mark.slow
+def test_checkpoint_quick_run_reports_stalls_and_throughputs():
+    results = run_quick("checkpoint")
+    headline = results[-1]
+    check_result(headline, "checkpoint")
+    assert headline["unit"] == "ms stall"
+    for key in ("save_MBps", "restore_MBps"):
+        value = headline[key]
+        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (key, value)
+    assert headline["ratio"] == pytest.approx(headline["baseline"] / headline["jaxspeed"], rel=1e-2)
+    assert all(run["restored_equal"] for runs in headline["runs"].values() for run in runs)
