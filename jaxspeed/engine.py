@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -136,7 +137,7 @@ class Engine:
 
     # -- steps ---------------------------------------------------------------------------
     def _context(self):
-        return _MeshContext(self.mesh, self.plan.rules)
+        return _mesh_context(self.mesh, self.plan.rules)
 
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on a global batch (arrays, or host numpy to be sharded)."""
@@ -192,25 +193,11 @@ class Engine:
         return memory_report(self)
 
 
-class _MeshContext:
+@contextlib.contextmanager
+def _mesh_context(mesh, rules):
     """`jax.set_mesh` + Flax logical-axis rules, so the model's activation hints resolve."""
-
-    def __init__(self, mesh, rules):
-        self._mesh_cm = jax.set_mesh(mesh)
-        self._rules_cm = nn.logical_axis_rules(_flax_rules(rules))
-
-    def __enter__(self):
-        self._mesh_cm.__enter__()
-        self._rules_cm.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._rules_cm.__exit__(*exc)
-        return self._mesh_cm.__exit__(*exc)
-
-
-def _flax_rules(rules):
-    return tuple((name, axes) for name, axes in rules)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(tuple(rules)):
+        yield
 
 
 def _check_supported(config: Config) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -197,5 +196,3 @@ def _plan_leaf(path, leaf, logical: Logical, mesh: Mesh, stage: int, rules: Rule
         notes=tuple(notes),
     )
 
-
-LogicalAxesFn = Callable[[tuple, Any], Logical]
