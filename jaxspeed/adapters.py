@@ -14,6 +14,7 @@ import jax
 from flax import nnx
 
 from jaxspeed.errors import JaxspeedError
+from jaxspeed.tree_paths import key_names
 
 
 class ModelFns(NamedTuple):
@@ -82,7 +83,7 @@ def nnx_fns(model: nnx.Module) -> ModelFns:
     }
 
     def logical_axes(path, leaf):
-        keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        keys = key_names(path)
         return names.get(keys[:-1] if keys and keys[-1] == "value" else keys)
 
     return ModelFns(

@@ -17,6 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxspeed.errors import JaxspeedError
+from jaxspeed.tree_paths import key_names
 
 
 class CheckpointError(JaxspeedError):
@@ -38,7 +39,7 @@ def _saveable_abstract(abstract_state):
 
 def _dotted(path) -> str:
     """Orbax's leaf name for a key path: 'opt_state.0.mu.embedding'."""
-    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    return ".".join(key_names(path))
 
 
 def _target_shapes(tree) -> dict[str, tuple]:

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
-from jax.sharding import NamedSharding
-
 
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -21,13 +16,12 @@ def _spec(spec) -> str:
 
 
 def explain_plan(plan) -> str:
-    from jaxspeed.sharding.planner import _flatten_leaf_plans
+    from jaxspeed.sharding.planner import _flatten_leaf_plans, leaf_bytes
 
     header = ("parameter", "shape", "params", "grads", "opt state", "param bytes/dev", "notes")
     rows = []
     for _, leaf in _flatten_leaf_plans(plan.leaves):
-        shard = NamedSharding(plan.mesh, leaf.param).shard_shape(leaf.shape)
-        nbytes = math.prod(shard) * np.dtype(leaf.dtype).itemsize
+        nbytes = leaf_bytes(plan.mesh, leaf, "param")
         rows.append((
             leaf.path, "×".join(map(str, leaf.shape)) or "scalar", _spec(leaf.param),
             _spec(leaf.grad), _spec(leaf.opt), format_bytes(nbytes), "; ".join(leaf.notes),

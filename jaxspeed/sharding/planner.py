@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxspeed.mesh import DATA_PARALLEL_AXES
 from jaxspeed.sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
 from jaxspeed.sharding.zero import zero_spec
+from jaxspeed.tree_paths import key_names
 
 Logical = tuple[str | None, ...] | None
 
@@ -38,7 +39,7 @@ def _is_logical_leaf(x) -> bool:
 
 def path_str(path) -> str:
     """'layers/mlp/wi' for a key path; NNX's trailing `.value` is dropped."""
-    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    keys = list(key_names(path))
     if len(keys) > 1 and keys[-1] == "value":
         keys.pop()
     return "/".join(keys)
@@ -101,12 +102,10 @@ class Plan:
         `mu`/`nu`, momentum, ...) gets that parameter's optimizer-state spec. Any other array
         (factored second moments, counters) gets the ZeRO spec its own shape allows.
         """
-        by_path = {}
-        for path, leaf in _flatten_leaf_plans(self.leaves):
-            by_path[tuple(map(str, path))] = leaf
+        by_path = {key_names(path): leaf for path, leaf in _flatten_leaf_plans(self.leaves)}
 
         def choose(path, x):
-            keys = tuple(map(str, path))
+            keys = key_names(path)
             for start in range(len(keys)):
                 leaf = by_path.get(keys[start:])
                 if leaf is not None and tuple(x.shape) == leaf.shape:
@@ -120,17 +119,19 @@ class Plan:
 
     def bytes_per_device(self, field: str) -> int:
         """Per-device bytes of one param-shaped tree stored with the `field` spec."""
-        total = 0
-        for _, leaf in _flatten_leaf_plans(self.leaves):
-            shard = NamedSharding(self.mesh, getattr(leaf, field)).shard_shape(leaf.shape)
-            total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
-        return total
+        return sum(leaf_bytes(self.mesh, leaf, field) for _, leaf in _flatten_leaf_plans(self.leaves))
 
     def explain(self) -> str:
         """A table: each parameter, its shape, specs for params / grads / opt state, bytes/device."""
         from jaxspeed.sharding.explain import explain_plan
 
         return explain_plan(self)
+
+
+def leaf_bytes(mesh: Mesh, leaf: LeafPlan, field: str) -> int:
+    """Bytes one device holds of `leaf` stored with its `field` ("param", "grad", "opt") spec."""
+    shard = NamedSharding(mesh, getattr(leaf, field)).shard_shape(leaf.shape)
+    return math.prod(shard) * np.dtype(leaf.dtype).itemsize
 
 
 def _flatten_leaf_plans(leaves):
