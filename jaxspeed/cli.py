@@ -26,6 +26,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="emulate N CPU devices (sets the host platform device count before JAX starts)",
     )
     parser.add_argument(
+        "--device-memory", default=None, metavar="BYTES",
+        help="memory of one device, e.g. 80GiB (same as --set hardware.device_memory=...): "
+        "plan gives a fits / does-not-fit verdict, train refuses a plan that does not fit",
+    )
+    parser.add_argument(
         "--distributed", action="store_true",
         help="call jax.distributed.initialize() first, auto-detecting the cluster (SLURM, "
         "Open MPI, Kubernetes, TPU pods); implied under `jaxspeed launch`",
@@ -41,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=None, help="total steps (default: config steps)")
     train.add_argument("--output", default="runs/latest", help="run directory (metrics.jsonl)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--force", action="store_true", help="start even if the plan does not fit device memory"
+    )
 
     plan = sub.add_parser("plan", help="show the sharding plan and per-device memory")
     _common(plan)
@@ -108,47 +116,43 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signum if signum else 2
 
 
-def _train(args) -> int:
+def _load(args):
     from jaxspeed.config import load_config
+
+    overrides = list(args.overrides)
+    if args.device_memory is not None:
+        overrides.append(f"hardware.device_memory={args.device_memory}")
+    return load_config(args.config, overrides=overrides)
+
+
+def _train(args) -> int:
     from jaxspeed.train_loop import train
 
-    config = load_config(args.config, overrides=args.overrides)
     record = train(
-        config, output_dir=args.output, steps=args.steps,
-        progress=False if args.no_progress else None,
+        _load(args), output_dir=args.output, steps=args.steps,
+        progress=False if args.no_progress else None, force=args.force,
     )
     print(json.dumps({"output": str(args.output), **record}))
     return 0
 
 
 def _plan(args) -> int:
-    from jaxspeed.config import load_config
     from jaxspeed.engine import initialize
-    from jaxspeed.sharding.explain import format_bytes
+    from jaxspeed.fit import device_memory, engine_verdict
+    from jaxspeed.plan_report import format_plan
 
-    engine = initialize(load_config(args.config, overrides=args.overrides))
-    report = engine.memory_report()
+    config = _load(args)
+    engine = initialize(config)
+    report = {**engine.memory_report(), "profile": engine.profile()}
+    budget = device_memory(config)
+    verdict = engine_verdict(engine, budget) if budget is not None else None
+    report["fit"] = verdict.to_dict() if verdict is not None else None
     if args.json:
         print(json.dumps(report))
-        return 0
-    print(engine.plan.explain())
-    print()
-    est, comp = report["estimate"], report["compiled"]
-    rows = [
-        ("params", est["params"], None),
-        ("grads", est["grads"], None),
-        ("opt_state", est["opt_state"], None),
-        ("arguments (state + batch)", None, comp["argument"]),
-        ("outputs", None, comp["output"]),
-        ("aliased (donated)", None, -comp["alias"]),
-        ("temp (activations, grads, buffers)", None, comp["temp"]),
-        ("total", est["state_total"], report["per_device_bytes"]["total"]),
-    ]
-    print(f"{'per device':36s} {'estimate':>12s} {'compiled':>12s}")
-    for name, e, c in rows:
-        fmt = lambda v: "" if v is None else format_bytes(v)  # noqa: E731
-        print(f"{name:36s} {fmt(e):>12s} {fmt(c):>12s}")
-    print(f"{'host memory':36s} {format_bytes(report['host_bytes']):>12s}")
+    else:
+        print(engine.plan.explain())
+        print()
+        print(format_plan(report))
     return 0
 
 

@@ -26,7 +26,8 @@ from jaxspeed.mesh import data_parallel_size, make_mesh
 from jaxspeed.optim import build_optimizer
 from jaxspeed.sharding import Plan, plan_sharding
 from jaxspeed.sharding.rules import DEFAULT_RULES
-from jaxspeed.train_step import StepSpec, TrainState, eval_step, train_step
+from jaxspeed.offload import DEVICE, HOST, with_memory_kind
+from jaxspeed.train_step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
 
 
 class Engine:
@@ -42,9 +43,11 @@ class Engine:
         self.fns = fns
         self.plan = plan
         self.batch_sizes = resolve_batch(config, data_parallel_size(mesh))
-        self.tx, self.schedule = build_optimizer(config)
+        host_update = config.zero_optimization.offload_optimizer.update_on == "host"
+        self.tx, self.schedule = build_optimizer(config, clip_outside=host_update)
         self.compute_dtype = precision.compute_dtype(config)
         self._checkpointers: dict[str, Checkpointer] = {}
+        self._compiled = None
         self._spec = StepSpec(
             apply=fns.apply,
             loss_fn=loss_fn,
@@ -55,6 +58,7 @@ class Engine:
             grad_shardings=plan.grads,
             micro_sharding=self._micro_sharding,
             fp16=config.fp16 if config.fp16.enabled else None,
+            offload=self._offload_spec(),
         )
         dp = data_parallel_size(mesh)
         shardings = self.state_shardings
@@ -67,6 +71,25 @@ class Engine:
         self._eval = jax.jit(functools.partial(eval_step, self._spec, dp), in_shardings=(shardings, None))
 
     # -- layouts ------------------------------------------------------------------------
+    def _offload_spec(self) -> OffloadSpec | None:
+        """Device/host shardings the step moves offloaded state between (None: no offload)."""
+        plan = self.plan
+        if plan.param_memory == DEVICE and plan.opt_memory == DEVICE:
+            return None
+        params = plan.params_on_device if plan.param_memory != DEVICE else None
+        if self.config.zero_optimization.offload_optimizer.update_on == "host":
+            host_update = (
+                with_memory_kind(plan.grads, HOST),
+                with_memory_kind(plan.params_on_device, HOST),
+                plan.replicated.with_memory_kind(HOST),
+            )
+            clip = self.config.gradient_clipping
+            return OffloadSpec(params=params, host_update=host_update, clip=clip)
+        opt_state = None
+        if plan.opt_memory != DEVICE:
+            opt_state = plan.opt_state_shardings(self._abstract_opt_state, memory_kind=DEVICE)
+        return OffloadSpec(params=params, opt_state=opt_state)
+
     def _micro_sharding(self, ndim: int) -> NamedSharding:
         batch = self.plan.batch_sharding(ndim - 1).spec
         return NamedSharding(self.mesh, P(None, *batch))
@@ -156,9 +179,32 @@ class Engine:
         return make_global_batch(batch, self.batch_sharding, self.batch_sizes.train_batch_size)
 
     def compile_train_step(self):
-        """Lowers and compiles the train step for the abstract state and batch."""
+        """Lowers and compiles the train step for the abstract state and batch (once)."""
+        if self._compiled is None:
+            with self._context():
+                lowered = self._train.lower(self.abstract_state(), self.abstract_batch())
+                self._compiled = lowered.compile()
+        return self._compiled
+
+    def step_flops(self) -> int:
+        """Global matmul FLOPs of one train step (loops counted; see `profiler.jaxpr_flops`)."""
+        from jaxspeed.profiler import jaxpr_flops
+
         with self._context():
-            return self._train.lower(self.abstract_state(), self.abstract_batch()).compile()
+            return jaxpr_flops(self._train, self.abstract_state(), self.abstract_batch())
+
+    def profile(self) -> dict[str, Any]:
+        """FLOPs, the device's peak, and collective bytes per device of the compiled step."""
+        from jaxspeed.profiler import step_profile
+
+        device = self.mesh.devices.flat[0]
+        return step_profile(
+            self.compile_train_step(),
+            flops=self.step_flops(),
+            num_devices=self.mesh.size,
+            device_kind=device.device_kind,
+            peak_tflops=self.config.hardware.peak_tflops,
+        )
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpointer(self, directory: str | Path | None = None) -> Checkpointer:
@@ -203,15 +249,8 @@ def _mesh_context(mesh, rules):
 def _check_supported(config: Config) -> None:
     """Features whose config keys exist but which later issues deliver: refuse, never fake."""
     todo = []
-    zero = config.zero_optimization
-    if zero.offload_optimizer.device != "none":
-        todo.append("zero_optimization.offload_optimizer.device=cpu (ZeRO-Offload)")
-    if zero.offload_param.device != "none":
-        todo.append("zero_optimization.offload_param.device=cpu (ZeRO-Infinity params)")
     if config.mesh.pipe not in (1,):
         todo.append(f"mesh.pipe={config.mesh.pipe} (pipeline parallelism)")
-    if config.activation_checkpointing.policy in ("offload_dots", "names"):
-        todo.append(f"activation_checkpointing.policy={config.activation_checkpointing.policy}")
     if todo:
         raise ConfigError("not available in this version of jaxspeed yet: " + "; ".join(todo))
 
@@ -249,11 +288,19 @@ def initialize(
     if model is None:
         from jaxspeed.models import build_gpt
 
-        model = build_gpt(config.model, remat_policy=config.activation_checkpointing.policy)
+        remat = config.activation_checkpointing
+        model = build_gpt(config.model, remat_policy=remat.policy, remat_names=remat.names)
     if sample_batch is None:
         sample_batch = {"inputs": np.zeros((batch.micro_batch_per_device, config.data.seq_len), np.int32)}
     fns = model_fns(model, sample_inputs=sample_batch["inputs"], params=params, param_axes=param_axes)
+    zero = config.zero_optimization
     plan = plan_sharding(
-        fns.abstract_params, fns.logical_axes, mesh, stage=config.zero_optimization.stage, rules=rules
+        fns.abstract_params,
+        fns.logical_axes,
+        mesh,
+        stage=zero.stage,
+        rules=rules,
+        offload_optimizer=zero.offload_optimizer.device == "cpu",
+        offload_params=zero.offload_param.device == "cpu",
     )
     return Engine(config=config, mesh=mesh, fns=fns, plan=plan, loss_fn=loss_fn or lm_loss)

@@ -7,6 +7,14 @@ from typing import Any
 
 import jax
 
+from jaxspeed.offload import on_host
+
+#: Said in reports when XLA's analysis cannot tell host from device memory (the CPU backend).
+HOST_NOTE = (
+    "this backend's memory_analysis() counts host and device memory together; host bytes "
+    "come from the arrays' memory kinds and are subtracted to give device bytes"
+)
+
 
 def sharded_bytes(tree) -> int:
     """Bytes one device holds of a pytree of `ShapeDtypeStruct`s / arrays with shardings."""
@@ -19,19 +27,45 @@ def sharded_bytes(tree) -> int:
 
 def host_bytes(tree) -> int:
     """Bytes one device's share keeps in host memory kinds (`pinned_host`, `unpinned_host`)."""
-    on_host = [
-        x for x in jax.tree.leaves(tree)
-        if x.sharding is not None and (x.sharding.memory_kind or "device").endswith("host")
-    ]
-    return sharded_bytes(on_host)
+    return sharded_bytes([x for x in jax.tree.leaves(tree) if on_host(x.sharding)])
+
+
+def _compiled_stats(compiled) -> dict[str, int]:
+    analysis = compiled.memory_analysis()
+    names = ("argument", "output", "alias", "temp", "generated_code")
+    stats = {name: int(getattr(analysis, f"{name}_size_in_bytes")) for name in names}
+    for name in ("argument", "output", "alias", "temp"):
+        stats[f"host_{name}"] = int(getattr(analysis, f"host_{name}_size_in_bytes", 0) or 0)
+    return stats
+
+
+def _streamed_bytes(engine, state, *, temp: int, grads: int) -> int:
+    """Device bytes the step needs for host-resident state (when XLA does not count them).
+
+    Offloaded params are fetched for the forward and backward passes, next to the
+    activations. An offloaded optimizer state is fetched for the update (unless the update
+    runs on the host), after the activations are freed but while the gradients are live:
+    it adds only what exceeds the scratch (`temp`) already counted.
+    """
+    params = host_bytes(state.params)
+    opt = 0
+    if engine.config.zero_optimization.offload_optimizer.update_on != "host":
+        opt = max(0, grads + host_bytes(state.opt_state) - temp)
+    return params + opt
 
 
 def memory_report(engine) -> dict[str, Any]:
-    """Per-device bytes for params / grads / opt state / temp, estimated and compiled.
+    """Per-device bytes for params / grads / opt state / temp / host, estimated and compiled.
 
     `estimate` comes from the plan's shardings; `compiled` from XLA's `memory_analysis()` of
     the jitted train step. `per_device_bytes.temp` is the compiled scratch (activations,
-    gradients, collectives' buffers); `total` = arguments + outputs − aliased + temp.
+    gradients, collectives' buffers); `total` = arguments + outputs − aliased + temp, on
+    device and host together; `device` is what must fit in device memory.
+
+    Where XLA separates host memory (GPU, TPU), `device` and `host_bytes` come from the
+    analysis. Where it does not (CPU), the host-resident state is subtracted and the state
+    the step streams through the device is added back (XLA on CPU elides those copies; see
+    `_streamed_bytes`); `notes` says so.
     """
     state = engine.abstract_state()
     estimate = {
@@ -39,20 +73,29 @@ def memory_report(engine) -> dict[str, Any]:
         "grads": engine.plan.bytes_per_device("grad"),
         "opt_state": sharded_bytes(state.opt_state),
     }
-    analysis = engine.compile_train_step().memory_analysis()
-    compiled = {
-        "argument": int(analysis.argument_size_in_bytes),
-        "output": int(analysis.output_size_in_bytes),
-        "alias": int(analysis.alias_size_in_bytes),
-        "temp": int(analysis.temp_size_in_bytes),
-        "generated_code": int(analysis.generated_code_size_in_bytes),
-    }
+    compiled = _compiled_stats(engine.compile_train_step())
     total = compiled["argument"] + compiled["output"] - compiled["alias"] + compiled["temp"]
+    on_host_state = host_bytes(state)
+    notes = []
+    host_fields = ("host_argument", "host_output", "host_temp")
+    if any(compiled[name] for name in host_fields):
+        host = compiled["host_argument"] + compiled["host_output"] - compiled["host_alias"]
+        host += compiled["host_temp"]
+        device = total
+    else:
+        host = on_host_state
+        streamed = _streamed_bytes(engine, state, temp=compiled["temp"], grads=estimate["grads"])
+        device = total - on_host_state + streamed
+        if on_host_state:
+            notes.append(HOST_NOTE)
     return {
         "mesh": dict(engine.mesh.shape),
         "zero_stage": engine.plan.stage,
-        "per_device_bytes": {**estimate, "temp": compiled["temp"], "total": total},
-        "estimate": {**estimate, "state_total": sum(estimate.values())},
+        "per_device_bytes": {
+            **estimate, "temp": compiled["temp"], "total": total, "device": device, "host": host,
+        },
+        "estimate": {**estimate, "state_total": sum(estimate.values()), "host": on_host_state},
         "compiled": compiled,
-        "host_bytes": host_bytes(state),
+        "host_bytes": host,
+        "notes": notes,
     }

@@ -24,7 +24,9 @@ from jaxspeed.config import Config
 from jaxspeed.data import TokenDataset
 from jaxspeed.engine import Engine, initialize
 from jaxspeed.errors import ConfigError, JaxspeedError
+from jaxspeed.fit import DoesNotFit, device_memory, engine_verdict
 from jaxspeed.metrics_log import MetricsLog
+from jaxspeed.profiler import peak_flops
 
 
 class TrainingInterrupted(JaxspeedError):
@@ -111,18 +113,56 @@ def _check_finite(config: Config, metrics: dict[str, float], step: int, ckpt) ->
         )
 
 
+def _check_fits(engine: Engine, *, force: bool) -> None:
+    """Refuses a plan whose compiled step does not fit the device memory (unless `force`)."""
+    budget = device_memory(engine.config)
+    if budget is None:
+        return
+    verdict = engine_verdict(engine, budget, suggest=not force)
+    if verdict.fit.fits:
+        return
+    if not force:
+        raise DoesNotFit(f"{verdict.message()}\n(--force starts anyway)")
+    print(f"jaxspeed train: warning: {verdict.fit.describe()}; starting anyway (--force)", file=sys.stderr)
+
+
+class _Throughput:
+    """tokens/s, and model TFLOP/s per device and MFU (when the device's peak is known)."""
+
+    def __init__(self, engine: Engine, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_device = engine.step_flops() / engine.mesh.size
+        device = engine.mesh.devices.flat[0]
+        self.peak = peak_flops(device.device_kind, engine.config.hardware.peak_tflops)
+
+    def record(self, steps: int, seconds: float) -> dict[str, float]:
+        flops_per_second = self.flops_per_device * steps / seconds
+        out = {
+            "tokens_per_second": self.tokens_per_step * steps / seconds,
+            "tflops_per_device": flops_per_second / 1e12,
+        }
+        if self.peak:
+            out["mfu"] = flops_per_second / self.peak
+        return out
+
+
 def train(
     config: Config,
     *,
     output_dir: str | Path,
     steps: int | None = None,
     progress: bool | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Trains the reference GPT described by `config` up to `steps` total steps.
 
     Writes `output_dir/metrics.jsonl` (and TensorBoard events when `logging.tensorboard`) and
     checkpoints in `checkpoint.dir` (default `output_dir/checkpoints`), resuming from the newest
     complete one. Returns the last logged record.
+
+    When the device memory is known (`hardware.device_memory`, or reported by the
+    accelerator), a plan whose compiled step does not fit is refused with `DoesNotFit`
+    (naming the cheapest change that fits) unless `force`.
     """
     steps = config.steps if steps is None else steps
     if steps < 1:
@@ -130,6 +170,7 @@ def train(
     dataset = TokenDataset.from_config(config.data, seed=config.seed)
     _check_vocab(config, dataset)
     engine = initialize(config)
+    _check_fits(engine, force=force)
     ckpt = engine.checkpointer(config.checkpoint.dir or Path(output_dir) / "checkpoints")
     if ckpt.latest_step() is not None:
         state = engine.restore(directory=ckpt.directory)
@@ -141,7 +182,7 @@ def train(
     every = max(1, config.logging.every_n_steps)
     save_every = config.checkpoint.every_n_steps
     eval_every = config.logging.eval_every_n_steps
-    tokens_per_step = engine.batch_sizes.train_batch_size * config.data.seq_len
+    throughput = _Throughput(engine, engine.batch_sizes.train_batch_size * config.data.seq_len)
     show = sys.stderr.isatty() if progress is None else progress
     bar = tqdm(total=steps, initial=start, desc="train", unit="step", disable=not (show and is_main))
     record: dict[str, Any] = {}
@@ -162,10 +203,7 @@ def train(
                 _check_finite(config, values, done, ckpt)
                 if logging_now:
                     now = time.perf_counter()
-                    record = {
-                        "step": done, **values,
-                        "tokens_per_second": tokens_per_step * (done - last_step) / (now - last_time),
-                    }
+                    record = {"step": done, **values, **throughput.record(done - last_step, now - last_time)}
                     if eval_every and (done % eval_every == 0 or done == steps):
                         record["eval_loss"] = evaluate(
                             engine, state, dataset, batches=config.logging.eval_batches

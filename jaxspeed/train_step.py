@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxspeed import precision
+from jaxspeed import offload, precision
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -31,6 +32,25 @@ class TrainState(flax.struct.PyTreeNode):
     loss_scale: precision.LossScaleState | None = None
 
 
+class OffloadSpec(NamedTuple):
+    """Where offloaded state is computed on (ZeRO-Offload).
+
+    Attributes:
+      params: device shardings of the params when they are stored on the host, else None.
+      opt_state: device shardings of the optimizer state when it is stored on the host and
+        updated on the device, else None.
+      host_update: host shardings `(grads, params, scalar)` when the update runs on the host
+        (ZeRO-Offload's CPU-Adam), else None.
+      clip: with `host_update`, the global-norm clipping applied on the device first (the
+        host `tx` then has `optax.identity()` in its place); 0 = off.
+    """
+
+    params: Any = None
+    opt_state: Any = None
+    host_update: tuple[Any, Any, Any] | None = None
+    clip: float = 0.0
+
+
 class StepSpec(NamedTuple):
     """What the step needs to know besides the state and the batch."""
 
@@ -43,6 +63,7 @@ class StepSpec(NamedTuple):
     grad_shardings: Any
     micro_sharding: Callable[[int], Any]
     fp16: Any = None
+    offload: OffloadSpec | None = None
 
 
 def split_microbatches(batch, accumulation: int, data_parallel: int, micro_sharding):
@@ -88,23 +109,60 @@ def _loss_and_grads(spec: StepSpec, params, micro_batches, scale):
     return loss / n, constrain(jax.tree.map(lambda g: g / (n * scale), grads))
 
 
+def _params_on_device(spec: StepSpec, params):
+    if spec.offload is not None and spec.offload.params is not None:
+        return offload.to_device(params, spec.offload.params)
+    return params
+
+
+def _apply_update(tx: optax.GradientTransformation, grads, opt_state, params, finite):
+    """The optimizer update; with fp16 (`finite` given) a non-finite step keeps the old state."""
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    if finite is None:
+        return new_params, new_opt_state
+    return (
+        precision.select_tree(finite, new_params, params),
+        precision.select_tree(finite, new_opt_state, opt_state),
+    )
+
+
+def _update(spec: StepSpec, grads, opt_state, params, finite):
+    """`_apply_update` where the plan says: on the device, or on the host (CPU-Adam)."""
+    off = spec.offload or OffloadSpec()
+    if off.host_update is None:
+        if off.opt_state is not None:
+            opt_state = offload.to_device(opt_state, off.opt_state)
+        return _apply_update(spec.tx, grads, opt_state, params, finite)
+    grads_host, params_host, scalar_host = off.host_update
+    if off.clip > 0:
+        grads, _ = optax.clip_by_global_norm(off.clip).update(grads, optax.EmptyState())
+    grads = jax.device_put(grads, grads_host)
+    params = jax.device_put(params, params_host)
+    if finite is not None:
+        finite = jax.device_put(finite, scalar_host)
+    return offload.run_on_host(functools.partial(_apply_update, spec.tx), grads, opt_state, params, finite)
+
+
 def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
-    """One optimizer step on one global batch. Returns the new state and metrics."""
+    """One optimizer step on one global batch. Returns the new state and metrics.
+
+    Offloaded params and optimizer state stream in from the host here; the jitted step's
+    `out_shardings` stream the new values back out.
+    """
     micro = split_microbatches(batch, spec.accumulation, data_parallel, spec.micro_sharding)
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
-    loss, grads = _loss_and_grads(spec, state.params, micro, scale)
-    updates, opt_state = spec.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params = _params_on_device(spec, state.params)
+    loss, grads = _loss_and_grads(spec, params, micro, scale)
+    loss_scale = state.loss_scale
+    finite = precision.all_finite(grads) if loss_scale is not None else None
+    params, opt_state = _update(spec, grads, state.opt_state, params, finite)
     metrics = {
         "loss": loss,
         "grad_norm": optax.tree.norm(grads),
         "lr": jnp.asarray(spec.schedule(state.step), jnp.float32),
     }
-    loss_scale = state.loss_scale
     if loss_scale is not None:
-        finite = precision.all_finite(grads)
-        params = precision.select_tree(finite, params, state.params)
-        opt_state = precision.select_tree(finite, opt_state, state.opt_state)
         loss_scale = precision.update_loss_scale(
             loss_scale, finite, **precision.loss_scale_options(spec.fp16)
         )
@@ -123,9 +181,10 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
 def eval_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     """Mean loss over one global batch, in microbatches, without gradients."""
     micro = split_microbatches(batch, spec.accumulation, data_parallel, spec.micro_sharding)
+    params = _params_on_device(spec, state.params)
 
     def body(total, b):
-        return total + _microbatch_loss(spec, state.params, b, 1.0)[1], None
+        return total + _microbatch_loss(spec, params, b, 1.0)[1], None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), micro)
     return {"loss": total / spec.accumulation}

@@ -78,12 +78,13 @@ def test_train_writes_metrics_and_tensorboard(tmp_path):
     config = write(tmp_path, "tiny.json", {**TINY, "logging": {**TINY["logging"], "tensorboard": True}})
     out = tmp_path / "run"
     proc = run_cli("train", config, "--cpu-devices", "4", "--output", str(out),
-                   "--set", "zero_optimization.stage=3")
+                   "--set", "zero_optimization.stage=3", "--set", "hardware.peak_tflops=0.5")
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
-        assert {"loss", "lr", "grad_norm", "tokens_per_second"} <= set(r)
+        assert {"loss", "lr", "grad_norm", "tokens_per_second", "tflops_per_device", "mfu"} <= set(r)
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.5)
     assert "eval_loss" in records[1] and "eval_loss" in records[2]
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert json.loads(proc.stdout.splitlines()[-1])["step"] == 3
@@ -96,8 +97,10 @@ def test_plan_json_reports_per_device_bytes(tmp_path):
         proc = run_cli("plan", config, "--json", "--cpu-devices", "8", "--set", f"zero_optimization.stage={s}")
         assert proc.returncode == 0, proc.stderr
         report = json.loads(proc.stdout.splitlines()[-1])
-        assert set(report["per_device_bytes"]) == {"params", "grads", "opt_state", "temp", "total"}
-        assert report["host_bytes"] == 0
+        per_device = report["per_device_bytes"]
+        assert {"params", "grads", "opt_state", "temp", "total", "device", "host"} == set(per_device)
+        assert report["host_bytes"] == 0 and per_device["device"] == per_device["total"]
+        assert report["profile"]["flops"] > 0 and report["fit"] is None
         stage[s] = report["per_device_bytes"]
     assert stage[3]["params"] < stage[0]["params"] / 4
     assert stage[3]["opt_state"] < stage[0]["opt_state"] / 4
@@ -109,3 +112,4 @@ def test_plan_table(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "layers/mlp/wi" in proc.stdout and "tensor" in proc.stdout
     assert "estimate" in proc.stdout and "compiled" in proc.stdout
+    assert "collective bytes per device per step" in proc.stdout and "all-gather" in proc.stdout

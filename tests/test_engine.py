@@ -207,8 +207,9 @@ def test_memory_report_fields(engine_runs):
     engine, _, _ = engine_runs["data4_tensor2", 3]
     report = engine.memory_report()
     per = report["per_device_bytes"]
-    assert set(per) == {"params", "grads", "opt_state", "temp", "total"}
+    assert set(per) == {"params", "grads", "opt_state", "temp", "total", "device", "host"}
     assert per["total"] >= per["temp"] > 0 and report["host_bytes"] == 0
+    assert per["device"] == per["total"] and report["notes"] == []
 
 
 def test_sharded_bytes_counts_the_whole_state(engine_runs):

@@ -109,3 +109,24 @@ def test_bytes_per_device_follow_zero():
 def test_bad_stage():
     with pytest.raises(ValueError, match="stage"):
         plan_sharding(PARAMS, LOGICAL, make_mesh({"data": 8}), stage=4)
+
+
+def test_a_param_named_value_keeps_its_name():
+    # NNX's `.value` attribute is dropped from paths; a dict key "value" (attention) is not.
+    params = {"attn": {"query": sds(8, 4), "value": sds(8, 4)}}
+    plan = plan_sharding(params, None, make_mesh({"data": 8}), stage=1)
+    assert [leaf.path for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "path"))] == [
+        "attn/query", "attn/value",
+    ]
+
+
+def test_offload_puts_state_in_host_memory_kinds():
+    mesh = make_mesh({"data": 8})
+    plan = plan_sharding(PARAMS, LOGICAL, mesh, stage=3, offload_optimizer=True, offload_params=True)
+    kinds = {s.memory_kind for s in jax.tree.leaves(plan.params)}
+    assert kinds == {"pinned_host"}
+    assert {s.memory_kind for s in jax.tree.leaves(plan.params_on_device)} == {"device"}
+    opt = plan.opt_state_shardings(jax.eval_shape(optax.adam(1e-3).init, PARAMS))
+    assert {s.memory_kind for s in jax.tree.leaves(opt)} == {"pinned_host"}
+    with pytest.raises(ValueError, match="stage 3"):
+        plan_sharding(PARAMS, LOGICAL, mesh, stage=2, offload_params=True)

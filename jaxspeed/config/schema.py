@@ -111,12 +111,33 @@ class OffloadConfig(_Section):
         return "none" if value is None else value
 
 
+class OptimizerOffloadConfig(OffloadConfig):
+    """Optimizer-state offload; `update_on: host` also runs the update on the host (CPU-Adam)."""
+
+    update_on: Literal["device", "host"] = "device"
+
+    @model_validator(mode="after")
+    def _host_update_needs_offload(self) -> OptimizerOffloadConfig:
+        if self.update_on == "host" and self.device != "cpu":
+            raise ValueError("update_on 'host' needs device 'cpu' (the state must live on the host)")
+        return self
+
+
 class ZeroConfig(_Section):
     """ZeRO stage (0 = replicated, 1 = optimizer state, 2 = + grads, 3 = + params) and offload."""
 
     stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_not_bool)] = 0
-    offload_optimizer: OffloadConfig = Field(default_factory=OffloadConfig)
+    offload_optimizer: OptimizerOffloadConfig = Field(default_factory=OptimizerOffloadConfig)
     offload_param: OffloadConfig = Field(default_factory=OffloadConfig)
+
+    @model_validator(mode="after")
+    def _param_offload_needs_stage3(self) -> ZeroConfig:
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ValueError(
+                f"offload_param.device={self.offload_param.device!r} needs stage 3 (as in "
+                f"DeepSpeed: only sharded params are offloaded), got stage {self.stage}"
+            )
+        return self
 
 
 def _canonical_type(
@@ -249,9 +270,14 @@ class LoggingConfig(_Section):
 
 
 class HardwareConfig(_Section):
-    """Facts about the accelerator; `device_memory` is kept as given (see `parse_bytes`)."""
+    """Facts about the accelerator; `device_memory` is kept as given (see `parse_bytes`).
+
+    `peak_tflops` is one device's peak (dense, compute dtype) for MFU; default: a table of
+    known accelerators (`jaxspeed.profiler.PEAK_FLOPS`).
+    """
 
     device_memory: str | int | None = None
+    peak_tflops: Annotated[float, Field(strict=True, gt=0)] | None = None
 
     @field_validator("device_memory", mode="before")
     @classmethod

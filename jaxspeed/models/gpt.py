@@ -20,7 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.ad_checkpoint import checkpoint_name
+
 from jaxspeed.errors import ConfigError
+from jaxspeed.remat import POLICIES, checkpoint_policy
 
 Array = jax.Array
 Dtype = Any
@@ -28,13 +31,8 @@ Dtype = Any
 NORMS = ("rmsnorm", "layernorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("rotary", "learned")
-#: Activation-checkpointing policies: name → `jax.checkpoint` policy (`None` = save nothing).
-REMAT_POLICIES: dict[str, Any] = {
-    "full": None,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-_REMAT_NAMES = ("none", *REMAT_POLICIES)
+#: `checkpoint_name` tags in each block, for `activation_checkpointing.policy: names`.
+CHECKPOINT_NAMES = ("qkv", "attn_context", "attn_out", "mlp_hidden", "mlp_out")
 
 _INIT_STD = 0.02
 _NORM_EPS = 1e-6
@@ -149,17 +147,19 @@ class Attention(nn.Module):
         def project(name: str) -> Array:
             kernel = _logical_param(self, name, qkv_names, qkv_shape, std=_INIT_STD)
             y = jnp.einsum("ble,ehd->blhd", x, _cast(kernel, self.dtype))
-            return nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
+            y = nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
+            return checkpoint_name(y, "qkv")
 
         q, k, v = project("query"), project("key"), project("value")
         if self.rotary:
             q, k = rotary_embedding(q), rotary_embedding(k)
         y = causal_attention(q, k, v)
         y = nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
+        y = checkpoint_name(y, "attn_context")
         out = _logical_param(
             self, "out", ("heads", "kv", "embed"), (self.n_heads, head_dim, embed), std=self.out_std
         )
-        return jnp.einsum("blhd,hde->ble", y, _cast(out, self.dtype))
+        return checkpoint_name(jnp.einsum("blhd,hde->ble", y, _cast(out, self.dtype)), "attn_out")
 
 
 class Mlp(nn.Module):
@@ -186,8 +186,9 @@ class Mlp(nn.Module):
         else:
             h = nn.gelu(project_in("wi"))
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
+        h = checkpoint_name(h, "mlp_hidden")
         wo = _logical_param(self, "wo", ("mlp", "embed"), (self.d_ff, embed), std=self.out_std)
-        return h @ _cast(wo, self.dtype)
+        return checkpoint_name(h @ _cast(wo, self.dtype), "mlp_out")
 
 
 class Block(nn.Module):
@@ -221,8 +222,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only transformer language model.
 
-    Attributes mirror the config's `model:` keys; `remat_policy` is one of "none", "full",
-    "dots_saveable", "dots_with_no_batch_dims_saveable". `dtype=None` computes in the dtype
+    Attributes mirror the config's `model:` keys; `remat_policy` is one of
+    `jaxspeed.remat.POLICIES`, applied to the scanned block; `remat_names` are the
+    `CHECKPOINT_NAMES` tags it saves with policy "names". `dtype=None` computes in the dtype
     the parameters arrive in; logits are always float32.
     """
 
@@ -237,6 +239,7 @@ class GPT(nn.Module):
     positions: str = "rotary"
     tie_embeddings: bool = True
     remat_policy: str = "none"
+    remat_names: tuple[str, ...] = ()
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
 
@@ -244,7 +247,9 @@ class GPT(nn.Module):
         _check_choice("norm", self.norm, NORMS)
         _check_choice("mlp", self.mlp, MLPS)
         _check_choice("positions", self.positions, POSITIONS)
-        _check_choice("remat_policy", self.remat_policy, _REMAT_NAMES)
+        _check_choice("remat_policy", self.remat_policy, POLICIES)
+        if self.remat_policy != "none":
+            checkpoint_policy(self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES)
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             value = getattr(self, key)
             if value < 1:
@@ -263,7 +268,9 @@ class GPT(nn.Module):
     def _scanned_blocks(self) -> nn.Module:
         block_cls = Block
         if self.remat_policy != "none":
-            policy = REMAT_POLICIES[self.remat_policy]
+            policy = checkpoint_policy(
+                self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES
+            )
             block_cls = nn.remat(block_cls, policy=policy, prevent_cse=False)
         scanned = nn.scan(
             block_cls,
@@ -335,12 +342,13 @@ _GPT_FIELDS = (
 )
 
 
-def build_gpt(model_cfg: Any, *, remat_policy: str = "none") -> GPT:
+def build_gpt(model_cfg: Any, *, remat_policy: str = "none", remat_names=()) -> GPT:
     """Builds a `GPT` from a model config (any object with the `model:` attributes).
 
     Args:
       model_cfg: e.g. `jaxspeed.config.ModelConfig`; missing attributes take `GPT`'s defaults.
       remat_policy: activation-checkpointing policy name (see `GPT`).
+      remat_names: `checkpoint_name` tags saved with policy "names".
 
     Returns:
       The (unbound) `GPT` module.
@@ -355,7 +363,7 @@ def build_gpt(model_cfg: Any, *, remat_policy: str = "none") -> GPT:
         if getattr(model_cfg, key, None) is not None:
             raise ConfigError(f"model.{key}: not supported yet by the reference GPT; set it to null")
     kwargs = {key: getattr(model_cfg, key) for key in _GPT_FIELDS if hasattr(model_cfg, key)}
-    return GPT(**kwargs, remat_policy=remat_policy)
+    return GPT(**kwargs, remat_policy=remat_policy, remat_names=tuple(remat_names))
 
 
 def count_params(params: Any) -> int:

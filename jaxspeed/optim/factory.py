@@ -361,12 +361,17 @@ def make_optimizer(
     return _BUILDERS[name](p, learning_rate)
 
 
-def build_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def build_optimizer(
+    config, *, clip_outside: bool = False
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Builds the clipped optimizer and its lr schedule from the full config.
 
     Args:
       config: object with `.optimizer`, `.scheduler` (may be None: constant lr) and
         `.gradient_clipping` (max global norm; 0 = off).
+      clip_outside: the caller clips the gradients itself (on the device, before a host
+        update: optax's global norm cannot run as a host computation). `tx` then chains
+        `optax.identity()` in the clipping's place, so its state has the same structure.
 
     Returns:
       `(tx, schedule)`: `tx` is `chain(clip_by_global_norm(c), optimizer)` when `c > 0`, else
@@ -380,5 +385,5 @@ def build_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedul
     if clip < 0:
         raise ConfigError(f"gradient_clipping must be >= 0 (0 = off), got {clip}")
     if clip > 0:
-        tx = optax.chain(optax.clip_by_global_norm(clip), tx)
+        tx = optax.chain(optax.identity() if clip_outside else optax.clip_by_global_norm(clip), tx)
     return tx, schedule

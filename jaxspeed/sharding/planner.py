@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.mesh import DATA_PARALLEL_AXES
+from jaxspeed.offload import DEVICE, HOST
 from jaxspeed.sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
 from jaxspeed.sharding.zero import zero_spec
 from jaxspeed.tree_paths import key_names
@@ -40,7 +41,7 @@ def _is_logical_leaf(x) -> bool:
 def path_str(path) -> str:
     """'layers/mlp/wi' for a key path; NNX's trailing `.value` is dropped."""
     keys = list(key_names(path))
-    if len(keys) > 1 and keys[-1] == "value":
+    if len(keys) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and keys[-1] == "value":
         keys.pop()
     return "/".join(keys)
 
@@ -50,23 +51,32 @@ class Plan:
     """Shardings for params, gradients and optimizer state under one ZeRO stage.
 
     `leaves` is a pytree with the structure of the params and a `LeafPlan` at each leaf.
+    `param_memory` / `opt_memory` are the memory kinds the stored params and optimizer state
+    live in between steps: "device", or "pinned_host" when offloaded (ZeRO-Offload).
     """
 
     mesh: Mesh
     stage: int
     rules: Rules
     leaves: Any
+    param_memory: str = DEVICE
+    opt_memory: str = DEVICE
 
-    def _shardings(self, field: str):
+    def _shardings(self, field: str, memory_kind: str = DEVICE):
         return jax.tree.map(
-            lambda leaf: NamedSharding(self.mesh, getattr(leaf, field)),
+            lambda leaf: NamedSharding(self.mesh, getattr(leaf, field), memory_kind=memory_kind),
             self.leaves,
             is_leaf=lambda x: isinstance(x, LeafPlan),
         )
 
     @property
     def params(self):
-        """Pytree of `NamedSharding` for the stored (master) parameters."""
+        """Pytree of `NamedSharding` for the stored (master) parameters, in `param_memory`."""
+        return self._shardings("param", self.param_memory)
+
+    @property
+    def params_on_device(self):
+        """The stored params' shardings in device memory: where the step computes with them."""
         return self._shardings("param")
 
     @property
@@ -76,7 +86,7 @@ class Plan:
 
     @property
     def opt(self):
-        """Pytree of `NamedSharding` for one param-shaped copy of optimizer state."""
+        """Pytree of `NamedSharding` for one param-shaped copy of optimizer state, on device."""
         return self._shardings("opt")
 
     @property
@@ -95,25 +105,28 @@ class Plan:
     def data_parallel_size(self) -> int:
         return math.prod(self.mesh.shape[a] for a in DATA_PARALLEL_AXES)
 
-    def opt_state_shardings(self, opt_state):
+    def opt_state_shardings(self, opt_state, *, memory_kind: str | None = None):
         """Shardings for an optimizer state (arrays or `ShapeDtypeStruct`s).
+
+        They are in `opt_memory` (where the state is stored), or in `memory_kind` when given.
 
         A state leaf whose key path ends with a parameter's path and has its shape (Adam's
         `mu`/`nu`, momentum, ...) gets that parameter's optimizer-state spec. Any other array
         (factored second moments, counters) gets the ZeRO spec its own shape allows.
         """
         by_path = {key_names(path): leaf for path, leaf in _flatten_leaf_plans(self.leaves)}
+        kind = memory_kind or self.opt_memory
 
         def choose(path, x):
             keys = key_names(path)
             for start in range(len(keys)):
                 leaf = by_path.get(keys[start:])
                 if leaf is not None and tuple(x.shape) == leaf.shape:
-                    return NamedSharding(self.mesh, leaf.opt)
-            if self.stage == 0 or not x.shape:
-                return self.replicated
-            spec, _ = zero_spec(P(), x.shape, self.mesh.shape)
-            return NamedSharding(self.mesh, spec)
+                    return NamedSharding(self.mesh, leaf.opt, memory_kind=kind)
+            spec = P()
+            if self.stage > 0 and x.shape:
+                spec, _ = zero_spec(P(), x.shape, self.mesh.shape)
+            return NamedSharding(self.mesh, spec, memory_kind=kind)
 
         return jax.tree.map_with_path(choose, opt_state)
 
@@ -145,6 +158,8 @@ def plan_sharding(
     *,
     stage: int = 0,
     rules: Rules = DEFAULT_RULES,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
 ) -> Plan:
     """Plans the sharding of params, gradients and optimizer state.
 
@@ -156,12 +171,19 @@ def plan_sharding(
       mesh: the device mesh.
       stage: ZeRO stage 0–3.
       rules: ordered logical-axis rules.
+      offload_optimizer: keep the optimizer state in `pinned_host` memory between steps.
+      offload_params: keep the (stage-3 sharded) params in `pinned_host` memory too.
 
     Returns:
       A `Plan`.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    if offload_params and stage != 3:
+        raise ValueError(
+            f"offload_params needs ZeRO stage 3 (params sharded before they leave the device), "
+            f"got stage {stage}"
+        )
     flat, treedef = jax.tree.flatten_with_path(abstract_params)
     if callable(logical_axes):
         names = [logical_axes(path, leaf) for path, leaf in flat]
@@ -171,7 +193,14 @@ def plan_sharding(
         _plan_leaf(path, leaf, _as_names(name), mesh, stage, rules)
         for (path, leaf), name in zip(flat, names)
     ]
-    return Plan(mesh=mesh, stage=stage, rules=tuple(rules), leaves=treedef.unflatten(leaves))
+    return Plan(
+        mesh=mesh,
+        stage=stage,
+        rules=tuple(rules),
+        leaves=treedef.unflatten(leaves),
+        param_memory=HOST if offload_params else DEVICE,
+        opt_memory=HOST if offload_optimizer else DEVICE,
+    )
 
 
 def _as_names(logical) -> Logical:

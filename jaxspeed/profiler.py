@@ -1,0 +1,256 @@
+"""What a compiled step costs: FLOPs, MFU, and bytes moved by each kind of collective.
+
+Everything here reads the compiled program, before step 0: `compiled.cost_analysis()` for FLOPs
+and the optimized HLO text for collectives.
+
+Collective bytes are per device and per step, counted as the size of the full buffer each
+collective works on: all-reduce and all-to-all their operand, all-gather its (gathered)
+output, reduce-scatter its (unscattered) input, collective-permute what it sends. Collectives
+inside a `while` loop (a `scan`) count once per iteration when XLA knows the trip count; inside
+a conditional, every branch counts (an upper bound).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from typing import Any
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+#: Dense bf16 peak FLOP/s per device (no sparsity), by `device_kind` substring.
+PEAK_FLOPS: dict[str, float] = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe card is lower, set hardware.peak_tflops for it
+    "A100": 312e12,
+    "L4": 121e12,
+    "TPU v4": 275e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+}
+
+_DTYPE_BYTES = {"pred": 1, "token": 0, "tuple": 0}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z0-9]*)?)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLEE = re.compile(
+    r"\b(body|calls|true_computation|false_computation)=%?([^\s,)]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def _dtype_bytes(name: str) -> int:
+    """'f32' → 4, 'bf16' → 2, 'c64' → 8, 'f8e4m3fn' → 1, 's4' → 1 (rounded up), 'pred' → 1."""
+    if name in _DTYPE_BYTES:
+        return _DTYPE_BYTES[name]
+    bits = re.match(r"[a-z]+(\d+)", name)
+    return max(1, int(bits.group(1)) // 8) if bits else 0
+
+
+def _array_bytes(type_text: str) -> list[int]:
+    """Bytes of each array in an HLO type ("f32[4,8]{1,0}", or a tuple of them)."""
+    return [
+        _dtype_bytes(dtype) * math.prod(int(d) for d in dims.split(",") if d)
+        for dtype, dims in _ARRAY.findall(type_text)
+    ]
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """'(f32[2], f32[3]) all-reduce(...)' → ('(f32[2], f32[3])', 'all-reduce(...)')."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :].strip()
+    type_text, _, tail = rest.partition(" ")
+    return type_text, tail.strip()
+
+
+def _group_size(line: str, num_devices: int) -> int:
+    groups = re.search(r"replica_groups=(\S+)(?:\s+\{([^}]*)\})?", line)
+    if groups is None:
+        return num_devices
+    text, axes = groups.group(1), groups.group(2)
+    if text.startswith("mesh["):
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", text))
+        names = re.findall(r"'([^']+)'", axes or "")
+        return math.prod(int(sizes[n]) for n in names if n in sizes) or num_devices
+    iota = re.match(r"\[(\d+),(\d+)\]<=", text)
+    if iota:
+        return int(iota.group(2))
+    first = re.match(r"\{\{([^}]*)\}", text)
+    if first:
+        return len(first.group(1).split(","))
+    return num_devices
+
+
+def _collective(op: str) -> tuple[str, bool] | None:
+    """('all-gather', is_async_start) for 'all-gather' / 'all-gather-start'; None otherwise."""
+    for kind in COLLECTIVES:
+        if op == kind:
+            return kind, False
+        if op == f"{kind}-start":
+            return kind, True
+    return None
+
+
+def _instruction_bytes(kind: str, is_start: bool, type_text: str, line: str, num_devices: int) -> int:
+    sizes = _array_bytes(type_text)
+    if is_start and kind != "all-reduce":
+        # async starts return (operands..., outputs..., contexts...): drop the u32/s32 scalar
+        # contexts, keep the outputs (the second half).
+        sizes = [s for s in sizes if s > 4] or sizes
+        sizes = sizes[len(sizes) // 2 :]
+    total = sum(sizes)
+    if kind == "reduce-scatter":
+        total *= _group_size(line, num_devices)
+    return total
+
+
+def collective_bytes(hlo_text: str, *, num_devices: int = 1) -> dict[str, int]:
+    """Per-device bytes moved per execution, by collective kind, from optimized HLO text.
+
+    Args:
+      hlo_text: `compiled.as_text()` of a jitted step.
+      num_devices: devices of the program (for collectives without explicit replica groups).
+
+    Returns:
+      `{kind: bytes}` for every kind in `COLLECTIVES` (0 where absent), plus `total`.
+    """
+    own: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if not line.startswith((" ", "\t")) and line.rstrip().endswith("{"):
+            header = _HEADER.match(line)
+            current = header.group(1) if header else None
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        match = _INSTRUCTION.match(line) if current else None
+        if match is None:
+            continue
+        type_text, tail = _split_type(match.group(1))
+        op = tail.partition("(")[0]
+        found = _collective(op)
+        if found is not None:
+            own[current][found[0]] += _instruction_bytes(*found, type_text, tail, num_devices)
+        trips = _TRIP_COUNT.search(tail)
+        for role, callee in _CALLEE.findall(tail):
+            calls[current].append((callee, int(trips.group(1)) if role == "body" and trips else 1))
+        for branches in _BRANCHES.findall(tail):
+            for callee in branches.split(","):
+                calls[current].append((callee.strip().lstrip("%"), 1))
+
+    totals = dict.fromkeys(COLLECTIVES, 0)
+
+    def visit(name: str, times: int, depth: int = 0) -> None:
+        if depth > 64:  # malformed text; HLO call graphs are acyclic
+            return
+        for kind, nbytes in own.get(name, {}).items():
+            totals[kind] += nbytes * times
+        for callee, trips in calls.get(name, ()):
+            visit(callee, times * trips, depth + 1)
+
+    if entry is not None:
+        visit(entry, 1)
+    totals["total"] = sum(totals[k] for k in COLLECTIVES)
+    return totals
+
+
+def compiled_flops(compiled) -> float:
+    """FLOPs per device from `compiled.cost_analysis()` (0 when XLA gives none).
+
+    XLA counts the body of a `while` loop once, whatever its trip count, so a scanned model
+    or an accumulation loop is undercounted; `jaxpr_flops` does not have that problem.
+    """
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):  # older JAX: one dict per program
+        analysis = analysis[0] if analysis else {}
+    return float((analysis or {}).get("flops", 0.0))
+
+
+def _dot_flops(eqn) -> int:
+    (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+    lhs, rhs = (v.aval.shape for v in eqn.invars)
+    out = math.prod(eqn.outvars[0].aval.shape)
+    return 2 * out * math.prod(lhs[d] for d in lhs_contract)
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def _count_flops(jaxpr) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            total += _dot_flops(eqn)
+        elif name == "ragged_dot":
+            lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+            total += 2 * math.prod(lhs) * rhs[-1]
+        elif name == "cond":
+            total += max((_count_flops(j) for j in _sub_jaxprs(eqn)), default=0)
+        else:
+            inner = sum(_count_flops(j) for j in _sub_jaxprs(eqn))
+            total += inner * (eqn.params.get("length", 1) if name == "scan" else 1)
+    return total
+
+
+def jaxpr_flops(fn, *args) -> int:
+    """Matmul FLOPs of `fn(*args)` for the whole (global) computation, loops included.
+
+    Counts `dot_general` (2·M·N·K) and `ragged_dot`, multiplies `scan` bodies by their
+    length, takes the larger branch of a `cond`. Elementwise work is not counted, which is
+    the usual convention for model FLOPs; rematerialised forward passes are counted.
+    """
+    import jax
+
+    return _count_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def peak_flops(device_kind: str, override_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of one device: `override_tflops` (config) or the `PEAK_FLOPS` table."""
+    if override_tflops:
+        return override_tflops * 1e12
+    for name, peak in PEAK_FLOPS.items():
+        if name.lower() in device_kind.lower():
+            return peak
+    return None
+
+
+def mfu(flops_per_device: float, step_seconds: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s per device over the device's peak."""
+    if not peak or step_seconds <= 0:
+        return None
+    return flops_per_device / step_seconds / peak
+
+
+def step_profile(
+    compiled, *, flops: int, num_devices: int, device_kind: str, peak_tflops: float | None = None
+) -> dict[str, Any]:
+    """FLOPs, peak FLOP/s and collective bytes of one compiled step.
+
+    Args:
+      compiled: the compiled step.
+      flops: global matmul FLOPs of the step (`jaxpr_flops`).
+      num_devices: devices the step runs on.
+      device_kind: `jax.Device.device_kind`, for the peak table.
+      peak_tflops: the device's peak from config, overriding the table.
+    """
+    return {
+        "flops": flops,
+        "flops_per_device": flops / num_devices,
+        "xla_flops_per_device": compiled_flops(compiled),
+        "peak_flops_per_device": peak_flops(device_kind, peak_tflops),
+        "device_kind": device_kind,
+        "collective_bytes": collective_bytes(compiled.as_text(), num_devices=num_devices),
+    }

@@ -1,0 +1,105 @@
+"""Profiler: collective bytes from HLO, FLOPs from the jaxpr, MFU."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxspeed as js
+from jaxspeed.models.gpt import count_params
+from jaxspeed.profiler import collective_bytes, jaxpr_flops, mfu, peak_flops
+
+
+def test_each_collective_kind_matches_a_hand_count():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+
+    def step(x):  # x: [1024] f32 per device = 4 KiB
+        x = jax.lax.psum_scatter(x, "data", tiled=True)  # reads 4 KiB
+        x = jax.lax.all_gather(x, "data", tiled=True)  # writes 4 KiB
+        x = jax.lax.all_to_all(x, "data", 0, 0, tiled=True)  # 4 KiB
+        x = jax.lax.ppermute(x, "data", [(i, (i + 1) % 8) for i in range(8)])  # 4 KiB
+        x, _ = jax.lax.scan(lambda c, _: (jax.lax.psum(c, "data") + c, None), x, None, length=3)
+        return x  # 3 × 4 KiB of all-reduce
+
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    text = fn.lower(jnp.ones(8 * 1024)).compile().as_text()
+    assert collective_bytes(text, num_devices=8) == {
+        "all-reduce": 3 * 4096, "all-gather": 4096, "reduce-scatter": 4096,
+        "all-to-all": 4096, "collective-permute": 4096, "total": 7 * 4096,
+    }
+
+
+def test_zero2_moves_the_gradients_once_and_regathers_the_params():
+    overrides = [
+        "model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.d_ff=128",
+        "model.max_seq_len=16", "data.seq_len=16", "train_batch_size=8", "mesh.data=8",
+        "zero_optimization.stage=2",
+    ]
+    engine = js.initialize(js.load_config(None, overrides=overrides))
+    grad_bytes = 4 * count_params(engine.abstract_state().params)
+    moved = engine.profile()["collective_bytes"]
+    # N×4 bytes of gradients are reduced (XLA:GPU emits a reduce-scatter; XLA:CPU an
+    # all-reduce of the same buffer), plus a few scalars (loss, norm).
+    reduced = moved["reduce-scatter"] + moved["all-reduce"]
+    assert grad_bytes <= reduced <= grad_bytes + 64
+    # The updated shards are gathered back into the replicated params; the tied embedding's
+    # scatter-add gradient also gathers the batch's token ids and output cotangents.
+    batch, length, width = 8, 16, 64
+    assert moved["all-gather"] == grad_bytes + 4 * batch * length * (width + 1)
+
+
+HLO = """\
+HloModule m
+
+%body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %ag = (f32[4]{0}, f32[16]{0}) all-gather-start(f32[4]{0} %x), replica_groups=[2,4]<=[8], dimensions={0}
+  %done = f32[16]{0} all-gather-done(%ag)
+  %rs = bf16[2]{0} reduce-scatter(bf16[16]{0} %y), replica_groups=[2,4]<=[8], dimensions={0}
+}
+
+%cond (p: (s32[], f32[16])) -> pred[] {
+  ROOT %lt = pred[] compare(%a, %b), direction=LT
+}
+
+%branch (p: f32[8]) -> f32[8] {
+  %cp = f32[8]{0} collective-permute(f32[8]{0} %p), source_target_pairs={{0,1}}
+}
+
+ENTRY %main (a: f32[16]) -> f32[16] {
+  %w = (s32[], f32[16]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %c = f32[8] conditional(%i, %a, %b), branch_computations={%branch, %branch}
+  ROOT %ar = f32[16]{0} all-reduce-start(f32[16]{0} %a), replica_groups={{0,1,2,3,4,5,6,7}}
+}
+"""
+
+
+def test_async_collectives_loops_and_branches():
+    moved = collective_bytes(HLO, num_devices=8)
+    assert moved["all-gather"] == 5 * 64  # the gathered f32[16], 5 iterations
+    assert moved["reduce-scatter"] == 5 * 2 * 2 * 4  # bf16[2] × group of 4, 5 iterations
+    assert moved["collective-permute"] == 2 * 32  # both branches counted (upper bound)
+    assert moved["all-reduce"] == 64
+
+
+def test_jaxpr_flops_counts_scan_iterations():
+    w = jnp.ones((32, 64))
+    x = jnp.ones((8, 32))
+
+    def fn(x, w):
+        def layer(h, _):
+            return (h @ w) @ w.T, None
+
+        return jax.lax.scan(layer, x, None, length=3)[0]
+
+    assert jaxpr_flops(fn, x, w) == 3 * 2 * (2 * 8 * 32 * 64)
+    grad_flops = jaxpr_flops(jax.grad(lambda x, w: fn(x, w).sum(), argnums=(0, 1)), x, w)
+    assert grad_flops == 3 * jaxpr_flops(fn, x, w)  # forward + two matmuls per matmul back
+
+
+def test_peak_and_mfu():
+    assert peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("cpu") is None
+    assert peak_flops("cpu", 2.0) == 2e12
+    assert mfu(1e12, 2.0, 1e12) == 0.5
+    assert mfu(1e12, 2.0, None) is None
