@@ -1,6 +1,6 @@
 """jaxspeed: JAX/XLA-native parallel training; every parallelism is a sharding XLA compiles."""
 
-from jaxspeed import distributed, export, optim, sharding
+from jaxspeed import attention, distributed, export, optim, sharding
 from jaxspeed.config import Config, load_config
 from jaxspeed.engine import Engine, initialize
 from jaxspeed.errors import ConfigError, JaxspeedError
@@ -15,6 +15,7 @@ __all__ = [
     "JaxspeedError",
     "Plan",
     "TrainState",
+    "attention",
     "distributed",
     "export",
     "initialize",
