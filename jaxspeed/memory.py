@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxspeed.offload import on_host
 
@@ -42,16 +43,18 @@ def _compiled_stats(compiled) -> dict[str, int]:
 def _streamed_bytes(engine, state, *, temp: int, grads: int) -> int:
     """Device bytes the step needs for host-resident state (when XLA does not count them).
 
-    Offloaded params are fetched for the forward and backward passes, next to the
-    activations. An offloaded optimizer state is fetched for the update (unless the update
-    runs on the host), after the activations are freed but while the gradients are live:
-    it adds only what exceeds the scratch (`temp`) already counted.
+    Offloaded params travel as their compute-dtype copy (cast on the host) for the forward
+    and backward passes, next to the activations. An update on the device fetches the
+    offloaded fp32 params and optimizer state after the activations are freed, while the
+    gradients are live: it adds only what exceeds the scratch (`temp`) already counted. An
+    update on the host fetches nothing.
     """
     params = host_bytes(state.params)
-    opt = 0
+    compute = params * np.dtype(engine.compute_dtype).itemsize // 4
+    update = 0
     if engine.config.zero_optimization.offload_optimizer.update_on != "host":
-        opt = max(0, grads + host_bytes(state.opt_state) - temp)
-    return params + opt
+        update = max(0, grads + params + host_bytes(state.opt_state) - temp)
+    return compute + update
 
 
 def memory_report(engine) -> dict[str, Any]:

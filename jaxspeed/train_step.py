@@ -41,8 +41,9 @@ class OffloadSpec(NamedTuple):
         updated on the device, else None.
       host_update: host shardings `(grads, params, scalar)` when the update runs on the host
         (ZeRO-Offload's CPU-Adam), else None.
-      clip: with `host_update`, the global-norm clipping applied on the device first (the
-        host `tx` then has `optax.identity()` in its place); 0 = off.
+      clip: with `host_update`, the max global norm the host clips to, with the norm the
+        device computed (the host `tx` has `optax.identity()` in the clipping's place: optax's
+        norm cannot run as a host computation); 0 = off.
     """
 
     params: Any = None
@@ -82,37 +83,51 @@ def split_microbatches(batch, accumulation: int, data_parallel: int, micro_shard
     return jax.tree.map(split, batch)
 
 
-def _microbatch_loss(spec: StepSpec, params, batch, scale):
-    compute = precision.cast_floating(params, spec.compute_dtype)
-    loss = spec.loss_fn(spec.apply(compute, batch["inputs"]), batch).astype(jnp.float32)
+def _microbatch_loss(spec: StepSpec, compute_params, batch, scale):
+    loss = spec.loss_fn(spec.apply(compute_params, batch["inputs"]), batch).astype(jnp.float32)
     return loss * scale, loss
 
 
-def _loss_and_grads(spec: StepSpec, params, micro_batches, scale):
-    """Mean loss and fp32 gradients over the microbatches (a scan, no Python loop)."""
+def _float32(tree):
+    return jax.tree.map(lambda g: g.astype(jnp.float32), tree)
+
+
+def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, scale):
+    """Mean loss and fp32 gradients over the microbatches (a scan, no Python loop).
+
+    Gradients are taken w.r.t. the compute-dtype params and cast to fp32 before they are
+    reduced across devices: the same values as differentiating through the cast.
+    """
     grad_fn = jax.value_and_grad(lambda p, b: _microbatch_loss(spec, p, b, scale), has_aux=True)
     constrain = lambda g: jax.lax.with_sharding_constraint(g, spec.grad_shardings)  # noqa: E731
     n = spec.accumulation
     if n == 1:  # one microbatch: no accumulator to carry
-        (_, loss), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro_batches))
-        return loss, constrain(jax.tree.map(lambda g: g / scale, grads))
+        (_, loss), grads = grad_fn(compute_params, jax.tree.map(lambda x: x[0], micro_batches))
+        return loss, constrain(jax.tree.map(lambda g: g / scale, _float32(grads)))
 
     def body(carry, batch):
         grads_sum, loss_sum = carry
-        (_, loss), grads = grad_fn(params, batch)
+        (_, loss), grads = grad_fn(compute_params, batch)
         # ZeRO-2/3: the running sum already lives in the gradient sharding (reduce-scattered).
-        grads_sum = constrain(jax.tree.map(jnp.add, grads_sum, grads))
+        grads_sum = constrain(jax.tree.map(jnp.add, grads_sum, _float32(grads)))
         return (grads_sum, loss_sum + loss), None
 
-    zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), compute_params))
     (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro_batches)
     return loss / n, constrain(jax.tree.map(lambda g: g / (n * scale), grads))
 
 
-def _params_on_device(spec: StepSpec, params):
-    if spec.offload is not None and spec.offload.params is not None:
-        return offload.to_device(params, spec.offload.params)
-    return params
+def _compute_params(spec: StepSpec, params):
+    """The params the forward pass uses: cast to the compute dtype, in device memory.
+
+    Offloaded params are cast on the host first (ZeRO-Offload: the fp32 masters stay on the
+    host; only the bf16/fp16 copy travels and occupies device memory).
+    """
+    cast = functools.partial(precision.cast_floating, dtype=spec.compute_dtype)
+    off = spec.offload
+    if off is None or off.params is None:
+        return cast(params)
+    return offload.to_device(offload.run_on_host(cast, params), off.params)
 
 
 def _apply_update(tx: optax.GradientTransformation, grads, opt_state, params, finite):
@@ -127,21 +142,34 @@ def _apply_update(tx: optax.GradientTransformation, grads, opt_state, params, fi
     )
 
 
-def _update(spec: StepSpec, grads, opt_state, params, finite):
+def _clip_and_update(tx, max_norm: float, grads, norm, opt_state, params, finite):
+    """`clip_by_global_norm(max_norm)` with a norm computed elsewhere, then the update."""
+    if max_norm > 0:
+        trigger = norm < max_norm
+        grads = jax.tree.map(lambda g: jax.lax.select(trigger, g, (g / norm) * max_norm), grads)
+    return _apply_update(tx, grads, opt_state, params, finite)
+
+
+def _update(spec: StepSpec, grads, norm, opt_state, params, finite):
     """`_apply_update` where the plan says: on the device, or on the host (CPU-Adam)."""
     off = spec.offload or OffloadSpec()
     if off.host_update is None:
         if off.opt_state is not None:
             opt_state = offload.to_device(opt_state, off.opt_state)
+        if off.params is not None:
+            params = offload.to_device(params, off.params)
         return _apply_update(spec.tx, grads, opt_state, params, finite)
     grads_host, params_host, scalar_host = off.host_update
-    if off.clip > 0:
-        grads, _ = optax.clip_by_global_norm(off.clip).update(grads, optax.EmptyState())
-    grads = jax.device_put(grads, grads_host)
-    params = jax.device_put(params, params_host)
-    if finite is not None:
-        finite = jax.device_put(finite, scalar_host)
-    return offload.run_on_host(functools.partial(_apply_update, spec.tx), grads, opt_state, params, finite)
+    to_host = lambda x, where: None if x is None else jax.device_put(x, where)  # noqa: E731
+    update = functools.partial(_clip_and_update, spec.tx, off.clip)
+    return offload.run_on_host(
+        update,
+        to_host(grads, grads_host),
+        to_host(norm, scalar_host),
+        opt_state,
+        to_host(params, params_host),
+        to_host(finite, scalar_host),
+    )
 
 
 def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
@@ -152,14 +180,14 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     """
     micro = split_microbatches(batch, spec.accumulation, data_parallel, spec.micro_sharding)
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
-    params = _params_on_device(spec, state.params)
-    loss, grads = _loss_and_grads(spec, params, micro, scale)
+    loss, grads = _loss_and_grads(spec, _compute_params(spec, state.params), micro, scale)
+    norm = optax.tree.norm(grads)
     loss_scale = state.loss_scale
     finite = precision.all_finite(grads) if loss_scale is not None else None
-    params, opt_state = _update(spec, grads, state.opt_state, params, finite)
+    params, opt_state = _update(spec, grads, norm, state.opt_state, state.params, finite)
     metrics = {
         "loss": loss,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": norm,
         "lr": jnp.asarray(spec.schedule(state.step), jnp.float32),
     }
     if loss_scale is not None:
@@ -181,7 +209,7 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
 def eval_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     """Mean loss over one global batch, in microbatches, without gradients."""
     micro = split_microbatches(batch, spec.accumulation, data_parallel, spec.micro_sharding)
-    params = _params_on_device(spec, state.params)
+    params = _compute_params(spec, state.params)
 
     def body(total, b):
         return total + _microbatch_loss(spec, params, b, 1.0)[1], None

@@ -72,13 +72,16 @@ def test_host_update_matches_device_update():
     assert_same_run(got, trained(2))
 
 
-def test_offloaded_params_live_on_host_and_match():
-    got = trained(3, tuple(OFFLOAD_PARAM))
+@pytest.mark.parametrize(
+    "precision", [(), ("bf16.enabled=true", *HOST_UPDATE[1:])], ids=["fp32-device-update", "bf16-host-update"]
+)
+def test_offloaded_params_live_on_host_and_match(precision):
+    got = trained(3, (*OFFLOAD_PARAM, *precision))
     assert got[3] == [({"pinned_host"}, {"pinned_host"})] * (STEPS + 1)
-    assert_same_run(got, trained(3))
-    engine, state = got[0], got[1]
-    want = trained(3)[0].eval_step(trained(3)[1], dataset().batch(9, global_batch=16))
-    chex.assert_trees_all_close(engine.eval_step(state, dataset().batch(9, global_batch=16)), want)
+    want = trained(3, tuple(p for p in precision if p.startswith("bf16")))
+    assert_same_run(got, want)
+    batch = dataset().batch(9, global_batch=16)
+    chex.assert_trees_all_close(got[0].eval_step(got[1], batch), want[0].eval_step(want[1], batch))
 
 
 def test_offload_shows_in_the_plan_and_the_memory_report():
