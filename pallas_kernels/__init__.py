@@ -1,5 +1,10 @@
 """Pallas kernels for jaxspeed, importable on their own.
 
-The block-sparse attention and MoE dispatch/combine kernels land with their issues; this
-package is installed alongside `jaxspeed` so they have a home.
+`interpret=None` everywhere means: interpret mode on CPU, compiled (Triton) on GPU. The
+function names shadow their modules (`pallas_kernels.block_sparse_attention` is the function);
+import helpers with `from pallas_kernels.block_sparse_attention import ...`.
 """
+
+from pallas_kernels.block_sparse_attention import block_sparse_attention
+
+__all__ = ["block_sparse_attention"]

@@ -1,5 +1,6 @@
 """Block-sparse attention: DeepSpeed's sparsity layouts and the kernels that use them."""
 
+from jaxspeed.attention.block_sparse import block_sparse_attention, dense_reference
 from jaxspeed.attention.sparsity import (
     BigBirdSparsityConfig,
     BSLongformerSparsityConfig,
@@ -19,5 +20,7 @@ __all__ = [
     "LocalSlidingWindowSparsityConfig",
     "SparsityConfig",
     "VariableSparsityConfig",
+    "block_sparse_attention",
+    "dense_reference",
     "sparsity_config_from_dict",
 ]
