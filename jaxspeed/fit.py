@@ -109,7 +109,7 @@ def candidate_changes(config: Config, batch: BatchSizes) -> list[list[str]]:
         ])
     if zero.offload_param.device == "none":
         changes.append([
-            "zero_optimization.stage=3",
+            *(["zero_optimization.stage=3"] if zero.stage != 3 else []),
             "zero_optimization.offload_optimizer.device=cpu",
             "zero_optimization.offload_param.device=cpu",
         ])

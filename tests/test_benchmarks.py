@@ -45,7 +45,9 @@ def check_result(obj: dict, name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["zero_memory", "overhead", "throughput"])
+@pytest.mark.parametrize(
+    "name", ["zero_memory", "overhead", "throughput", "offload_capacity", "sparse_attention"]
+)
 def test_quick_run_prints_a_result_line(name):
     results = run_quick(name)
     for obj in results:
