@@ -6,5 +6,6 @@ import helpers with `from pallas_kernels.block_sparse_attention import ...`.
 """
 
 from pallas_kernels.block_sparse_attention import block_sparse_attention
+from pallas_kernels.moe_kernels import moe_combine, moe_dispatch
 
-__all__ = ["block_sparse_attention"]
+__all__ = ["block_sparse_attention", "moe_combine", "moe_dispatch"]

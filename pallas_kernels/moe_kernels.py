@@ -73,10 +73,15 @@ def _row_block(n: int, block: int) -> tuple[int, int]:
     return b, pl.cdiv(n, b) * b
 
 
-def _geometry(num_tokens, num_slots, width, interpret) -> _Static:
-    block_t, tokens_padded = _row_block(num_tokens, BLOCK_ROWS)
-    block_s, slots_padded = _row_block(num_slots, BLOCK_ROWS)
-    block_m = min(BLOCK_COLS, pl.next_power_of_2(width))
+def _geometry(num_tokens, num_slots, width, interpret, block_rows, block_cols) -> _Static:
+    block_rows = BLOCK_ROWS if block_rows is None else block_rows
+    block_cols = BLOCK_COLS if block_cols is None else block_cols
+    for name, value in (("block_rows", block_rows), ("block_cols", block_cols)):
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of 2, got {value!r}")
+    block_t, tokens_padded = _row_block(num_tokens, block_rows)
+    block_s, slots_padded = _row_block(num_slots, block_rows)
+    block_m = min(block_cols, pl.next_power_of_2(width))
     width_padded = pl.cdiv(width, block_m) * block_m
     return _Static(num_tokens, num_slots, width, block_t, tokens_padded, block_s,
                    slots_padded, block_m, width_padded, bool(interpret))
@@ -285,7 +290,8 @@ def _default_interpret(interpret):
 
 
 def moe_dispatch(x, expert_index, position, num_experts: int, capacity: int, *,
-                 interpret: bool | None = None):
+                 interpret: bool | None = None, block_rows: int | None = None,
+                 block_cols: int | None = None):
     """Scatters token rows into per-expert capacity buffers (differentiable in `x`).
 
     Args:
@@ -296,6 +302,9 @@ def moe_dispatch(x, expert_index, position, num_experts: int, capacity: int, *,
       num_experts: `E`, static.
       capacity: `C`, slots per expert, static.
       interpret: run the kernels in the Pallas interpreter; default: on any backend but GPU.
+      block_rows: slots (tokens, in the backward pass) per program, a power of 2; default
+        `BLOCK_ROWS`.
+      block_cols: columns per program, a power of 2; default `BLOCK_COLS`.
 
     Returns:
       `[E, C, model]` in `x`'s dtype; slots no choice fills are zero.
@@ -308,13 +317,15 @@ def moe_dispatch(x, expert_index, position, num_experts: int, capacity: int, *,
             f"num_experts and capacity must be positive ints, got {num_experts} and {capacity}")
     _check_routing(expert_index, position, x.shape[0])
     tokens, width = x.shape
-    static = _geometry(tokens, num_experts * capacity, width, _default_interpret(interpret))
+    static = _geometry(tokens, num_experts * capacity, width, _default_interpret(interpret),
+                       block_rows, block_cols)
     slots = _slot_table(expert_index, position, capacity, static)
     out = _dispatch(_pad_to(x, static.tokens_padded, static.width_padded), slots, static)
     return out[: static.num_slots, :width].reshape(num_experts, capacity, width)
 
 
-def moe_combine(y, expert_index, position, weight, *, interpret: bool | None = None):
+def moe_combine(y, expert_index, position, weight, *, interpret: bool | None = None,
+                block_rows: int | None = None, block_cols: int | None = None):
     """Weighted gather of expert outputs back to tokens (differentiable in `y` and `weight`).
 
     `out[t] = sum_j weight[t, j] * y[expert_index[t, j], position[t, j]]` over the kept
@@ -326,6 +337,9 @@ def moe_combine(y, expert_index, position, weight, *, interpret: bool | None = N
       position: int `[tokens, k]`; `>= C` (or negative) marks a dropped choice.
       weight: `[tokens, k]` combine weights (computed in fp32; the gradient has its dtype).
       interpret: run the kernels in the Pallas interpreter; default: on any backend but GPU.
+      block_rows: tokens (slots, in the backward pass) per program, a power of 2; default
+        `BLOCK_ROWS`.
+      block_cols: columns per program, a power of 2; default `BLOCK_COLS`.
 
     Returns:
       `[tokens, model]` in `y`'s dtype, accumulated in fp32.
@@ -335,7 +349,8 @@ def moe_combine(y, expert_index, position, weight, *, interpret: bool | None = N
     num_experts, capacity, width = y.shape
     tokens = expert_index.shape[0] if expert_index.ndim == 2 else -1
     _check_routing(expert_index, position, tokens, weight=weight)
-    static = _geometry(tokens, num_experts * capacity, width, _default_interpret(interpret))
+    static = _geometry(tokens, num_experts * capacity, width, _default_interpret(interpret),
+                       block_rows, block_cols)
     slots = _slot_table(expert_index, position, capacity, static)
     w = jnp.pad(weight.astype(jnp.float32).T, ((0, 0), (0, static.tokens_padded - tokens)))
     y_flat = _pad_to(y.reshape(num_experts * capacity, width), static.num_slots,
