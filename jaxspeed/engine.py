@@ -22,11 +22,16 @@ from jaxspeed.config import Config, load_config, resolve_batch
 from jaxspeed.data import make_global_batch
 from jaxspeed.errors import ConfigError
 from jaxspeed.losses import lm_loss
-from jaxspeed.mesh import data_parallel_size, make_mesh
+from jaxspeed.mesh import DATA_PARALLEL_AXES, data_parallel_size, make_mesh
 from jaxspeed.optim import build_optimizer
 from jaxspeed.sharding import Plan, plan_sharding
 from jaxspeed.sharding.rules import DEFAULT_RULES
 from jaxspeed.offload import DEVICE, HOST, with_memory_kind
+from jaxspeed.onebit_step import check_onebit_config, onebit_train_step
+from jaxspeed.onebit_step import state_specs as onebit_state_specs
+from jaxspeed.optim.factory import onebit_freeze_step
+from jaxspeed.optim.onebit import COMPRESSED, WARMUP
+from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
 from jaxspeed.train_step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
 
 
@@ -44,10 +49,13 @@ class Engine:
         self.plan = plan
         self.batch_sizes = resolve_batch(config, data_parallel_size(mesh))
         host_update = config.zero_optimization.offload_optimizer.update_on == "host"
-        self.tx, self.schedule = build_optimizer(config, clip_outside=host_update)
+        self.onebit_axes = onebit_axes(config, mesh)
+        self.tx, self.schedule = build_optimizer(
+            config, clip_outside=host_update, axis_name=self.onebit_axes
+        )
         self.compute_dtype = precision.compute_dtype(config)
         self._checkpointers: dict[str, Checkpointer] = {}
-        self._compiled = None
+        self._compiled: dict[str | None, Any] = {}
         self._spec = StepSpec(
             apply=fns.apply,
             loss_fn=loss_fn,
@@ -62,13 +70,27 @@ class Engine:
         )
         dp = data_parallel_size(mesh)
         shardings = self.state_shardings
-        self._train = jax.jit(
-            functools.partial(train_step, self._spec, dp),
-            in_shardings=(shardings, None),
-            out_shardings=(shardings, None),
-            donate_argnums=0,
+        jit_step = functools.partial(
+            jax.jit, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
         )
+        self._train = {None: jit_step(functools.partial(train_step, self._spec, dp))}
+        if self.onebit_axes:
+            self.freeze_step = onebit_freeze_step(config.optimizer)
+            specs = onebit_state_specs(self.abstract_state(), self.onebit_axes)
+            self._train = {
+                phase: jit_step(functools.partial(
+                    onebit_train_step, self._spec, mesh=mesh, axes=self.onebit_axes,
+                    rules=plan.rules, phase=phase, specs=specs,
+                ))
+                for phase in (WARMUP, COMPRESSED)
+            }
         self._eval = jax.jit(functools.partial(eval_step, self._spec, dp), in_shardings=(shardings, None))
+
+    def _phase(self, step: int | None) -> str | None:
+        """The compiled step to run at `step`: 1-bit Adam's phase, or the one step."""
+        if not self.onebit_axes:
+            return None
+        return WARMUP if step is None or step < self.freeze_step else COMPRESSED
 
     # -- layouts ------------------------------------------------------------------------
     def _offload_spec(self) -> OffloadSpec | None:
@@ -100,7 +122,8 @@ class Engine:
 
     @functools.cached_property
     def _abstract_opt_state(self):
-        return jax.eval_shape(self.tx.init, self.fns.abstract_params)
+        with jax.set_mesh(self.mesh):  # 1-bit Adam sizes its per-worker buffers from the mesh
+            return jax.eval_shape(self.tx.init, self.fns.abstract_params)
 
     @functools.cached_property
     def state_shardings(self) -> TrainState:
@@ -109,10 +132,14 @@ class Engine:
         loss_scale = None
         if self.config.fp16.enabled:
             loss_scale = jax.tree.map(lambda _: rep, precision.init_loss_scale(self.config.fp16))
+        opt_state = self.plan.opt_state_shardings(self._abstract_opt_state)
+        if self.onebit_axes:
+            specs = onebit_state_specs_of(self._abstract_opt_state, axis_name=self.onebit_axes)
+            opt_state = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
         return TrainState(
             step=rep,
             params=self.plan.params,
-            opt_state=self.plan.opt_state_shardings(self._abstract_opt_state),
+            opt_state=opt_state,
             rng=rep,
             loss_scale=loss_scale,
         )
@@ -120,7 +147,8 @@ class Engine:
     def abstract_state(self) -> TrainState:
         """The state as `ShapeDtypeStruct`s carrying their shardings (no allocation)."""
         params = None if self.fns.init is not None else self.fns.abstract_params
-        shapes = jax.eval_shape(self._init_fn, jax.random.key(0), params)
+        with jax.set_mesh(self.mesh):
+            shapes = jax.eval_shape(self._init_fn, jax.random.key(0), params)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
             shapes,
@@ -155,8 +183,10 @@ class Engine:
         if params is not None:
             params = jax.device_put(params, self.plan.params)
         # No logical-rules context here: Flax's init-time reshapes (e.g. DenseGeneral) would
-        # trip over activation constraints; `out_shardings` places the state.
-        return jax.jit(self._init_fn, out_shardings=self.state_shardings)(rng, params)
+        # trip over activation constraints; `out_shardings` places the state. The mesh is set
+        # for 1-bit Adam, whose init sizes its per-worker buffers from it.
+        with jax.set_mesh(self.mesh):
+            return jax.jit(self._init_fn, out_shardings=self.state_shardings)(rng, params)
 
     # -- steps ---------------------------------------------------------------------------
     def _context(self):
@@ -164,8 +194,9 @@ class Engine:
 
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on a global batch (arrays, or host numpy to be sharded)."""
+        step = int(jax.device_get(state.step)) if self.onebit_axes else None
         with self._context():
-            return self._train(state, self.shard_batch(batch))
+            return self._train[self._phase(step)](state, self.shard_batch(batch))
 
     def eval_step(self, state: TrainState, batch) -> dict[str, jax.Array]:
         """Mean loss on a global batch, without updating the state."""
@@ -178,20 +209,25 @@ class Engine:
             return batch
         return make_global_batch(batch, self.batch_sharding, self.batch_sizes.train_batch_size)
 
-    def compile_train_step(self):
-        """Lowers and compiles the train step for the abstract state and batch (once)."""
-        if self._compiled is None:
+    def compile_train_step(self, *, step: int | None = None):
+        """Lowers and compiles the train step for the abstract state and batch (once).
+
+        `step` picks 1-bit Adam's phase (default: the warm-up step); other optimizers have
+        one step.
+        """
+        phase = self._phase(step)
+        if phase not in self._compiled:
             with self._context():
-                lowered = self._train.lower(self.abstract_state(), self.abstract_batch())
-                self._compiled = lowered.compile()
-        return self._compiled
+                lowered = self._train[phase].lower(self.abstract_state(), self.abstract_batch())
+                self._compiled[phase] = lowered.compile()
+        return self._compiled[phase]
 
     def step_flops(self) -> int:
         """Global matmul FLOPs of one train step (loops counted; see `profiler.jaxpr_flops`)."""
         from jaxspeed.profiler import jaxpr_flops
 
         with self._context():
-            return jaxpr_flops(self._train, self.abstract_state(), self.abstract_batch())
+            return jaxpr_flops(self._train[self._phase(None)], self.abstract_state(), self.abstract_batch())
 
     def profile(self) -> dict[str, Any]:
         """FLOPs, the device's peak, and collective bytes per device of the compiled step."""
@@ -244,6 +280,14 @@ def _mesh_context(mesh, rules):
     """`jax.set_mesh` + Flax logical-axis rules, so the model's activation hints resolve."""
     with jax.set_mesh(mesh), nn.logical_axis_rules(tuple(rules)):
         yield
+
+
+def onebit_axes(config: Config, mesh: Mesh) -> tuple[str, ...] | None:
+    """The data-parallel axes 1-bit Adam communicates over (None for other optimizers)."""
+    if config.optimizer.type != "OneBitAdam":
+        return None
+    check_onebit_config(config)
+    return tuple(axis for axis in DATA_PARALLEL_AXES if axis in mesh.axis_names)
 
 
 def _check_supported(config: Config) -> None:

@@ -292,9 +292,15 @@ def test_wrong_optimizer_value_type(params, key):
         make_optimizer(_opt("Adam", **params), learning_rate=LR)
 
 
-def test_onebit_adam_not_available_yet():
-    with pytest.raises(ConfigError, match="optimizer.type OneBitAdam is not available yet"):
-        make_optimizer(_opt("OneBitAdam", lr=LR), learning_rate=LR)
+def test_onebit_adam_from_config():
+    tx = make_optimizer(_opt("OneBitAdam", lr=LR, freeze_step=10), learning_rate=LR)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    assert type(state).__name__ == "OneBitAdamState"
+    with pytest.raises(ConfigError, match="freeze_step must be >= 0"):
+        make_optimizer(_opt("OneBitAdam", lr=LR, freeze_step=-1), learning_rate=LR)
+    with pytest.raises(ConfigError, match="freeze_stepp"):
+        make_optimizer(_opt("OneBitAdam", lr=LR, freeze_stepp=3), learning_rate=LR)
 
 
 def test_unknown_optimizer_type_lists_accepted():

@@ -87,7 +87,7 @@ def _engine_jaxpr(*overrides):
         "model.max_seq_len=16", "data.seq_len=16", "train_batch_size=8", "mesh.data=8",
     ]
     engine = js.initialize(js.load_config(None, overrides=[*base, *overrides]))
-    return str(jax.make_jaxpr(engine._train)(engine.abstract_state(), engine.abstract_batch()))
+    return str(jax.make_jaxpr(engine._train[None])(engine.abstract_state(), engine.abstract_batch()))
 
 
 def test_engine_applies_the_configured_policy():

@@ -21,12 +21,8 @@ from jaxspeed.config import OPTIMIZER_TYPES as _SCHEMA_OPTIMIZER_TYPES
 from jaxspeed.config import SCHEDULER_TYPES
 from jaxspeed.errors import ConfigError
 
-# In the config schema, built by a later issue (no stub here on purpose).
-_NOT_YET_AVAILABLE: tuple[str, ...] = ("OneBitAdam",)
 #: The config's optimizer types that this factory builds.
-OPTIMIZER_TYPES: tuple[str, ...] = tuple(
-    name for name in _SCHEMA_OPTIMIZER_TYPES if name not in _NOT_YET_AVAILABLE
-)
+OPTIMIZER_TYPES: tuple[str, ...] = _SCHEMA_OPTIMIZER_TYPES
 _WARMUP_TYPES: tuple[str, ...] = ("log", "linear")
 DEFAULT_LR = 1e-3
 
@@ -63,6 +59,18 @@ _OPTIMIZER_PARAMS: dict[str, dict[str, tuple[Any, str]]] = {
         "lr": (DEFAULT_LR, "float"),
         "betas": ((0.9, 0.99), _BETAS),
         "weight_decay": (0.0, "float"),
+    },
+    # DeepSpeed's OnebitAdam; cuda_aware and comm_backend_name are accepted and ignored (the
+    # compressed all-reduce is an XLA collective).
+    "OneBitAdam": {
+        "lr": (DEFAULT_LR, "float"),
+        "betas": ((0.9, 0.999), _BETAS),
+        "eps": (1e-8, "float"),
+        "weight_decay": (0.0, "float"),
+        "freeze_step": (100000, "int"),
+        "bias_correction": (True, "bool"),
+        "cuda_aware": (False, "bool"),
+        "comm_backend_name": ("nccl", "str"),
     },
     # optax.adafactor's own names and meanings (DeepSpeed has no built-in Adafactor).
     "Adafactor": {
@@ -114,10 +122,6 @@ def _canonical_type(value: Any, accepted: tuple[str, ...], *, section: str) -> s
     by_lower = {name.lower(): name for name in accepted}
     if isinstance(value, str) and value.lower() in by_lower:
         return by_lower[value.lower()]
-    if section == "optimizer" and isinstance(value, str):
-        for name in _NOT_YET_AVAILABLE:
-            if value.lower() == name.lower():
-                raise ConfigError(f"optimizer.type {name} is not available yet")
     raise ConfigError(
         f"{section}.type {value!r} is not supported; accepted: {', '.join(accepted)}"
         + _did_you_mean(str(value), accepted)
@@ -320,6 +324,18 @@ def _adafactor(p: dict[str, Any], lr: optax.ScalarOrSchedule) -> optax.GradientT
     )
 
 
+def _onebit(p: dict[str, Any], lr: optax.ScalarOrSchedule, axis_name=None):
+    from jaxspeed.optim.onebit import onebit_adam
+
+    b1, b2 = p["betas"]
+    if p["freeze_step"] < 0:
+        raise ConfigError(f"optimizer.params.freeze_step must be >= 0, got {p['freeze_step']}")
+    return onebit_adam(
+        lr, b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"],
+        freeze_step=p["freeze_step"], bias_correction=p["bias_correction"], axis_name=axis_name,
+    )
+
+
 _BUILDERS: dict[str, Callable[[dict[str, Any], optax.ScalarOrSchedule], Any]] = {
     "Adam": _adam,
     "AdamW": _adam,
@@ -330,7 +346,7 @@ _BUILDERS: dict[str, Callable[[dict[str, Any], optax.ScalarOrSchedule], Any]] = 
 
 
 def make_optimizer(
-    optimizer_cfg, *, learning_rate: optax.ScalarOrSchedule
+    optimizer_cfg, *, learning_rate: optax.ScalarOrSchedule, axis_name=None
 ) -> optax.GradientTransformation:
     """Builds the optax optimizer for `optimizer: {type, params}` (DeepSpeed param names).
 
@@ -343,26 +359,40 @@ def make_optimizer(
     - `Adafactor` {lr, decay_rate=0.8, eps=1e-30, clipping_threshold=1 (0 = off),
       weight_decay=0, multiply_by_parameter_scale=true, min_dim_size_to_factor=128}:
       `optax.adafactor` with optax's meanings.
+    - `OneBitAdam` {lr, betas, eps, weight_decay=0, freeze_step=100000, bias_correction=true}:
+      `jaxspeed.optim.onebit_adam`, communicating over `axis_name`.
 
     Args:
       optimizer_cfg: object with `.type` and `.params`.
       learning_rate: float or `optax.Schedule`; it replaces `params.lr` (only validated here).
+      axis_name: for `OneBitAdam`, the data-parallel mesh axes of its all-reduce.
 
     Returns:
       The optimizer as an `optax.GradientTransformation`.
 
     Raises:
-      ConfigError: unknown type or params key, wrong value type, or `OneBitAdam` (later issue).
+      ConfigError: unknown type or params key, or a wrong value type.
     """
     name = _canonical_type(optimizer_cfg.type, OPTIMIZER_TYPES, section="optimizer")
     p = _read_params(
         optimizer_cfg.params, _OPTIMIZER_PARAMS[name], section="optimizer", type_name=name
     )
+    if name == "OneBitAdam":
+        return _onebit(p, learning_rate, axis_name)
     return _BUILDERS[name](p, learning_rate)
 
 
+def onebit_freeze_step(optimizer_cfg) -> int:
+    """`optimizer.params.freeze_step` of a `OneBitAdam` config (validated, default applied)."""
+    p = _read_params(
+        optimizer_cfg.params, _OPTIMIZER_PARAMS["OneBitAdam"], section="optimizer",
+        type_name="OneBitAdam",
+    )
+    return p["freeze_step"]
+
+
 def build_optimizer(
-    config, *, clip_outside: bool = False
+    config, *, clip_outside: bool = False, axis_name=None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Builds the clipped optimizer and its lr schedule from the full config.
 
@@ -372,6 +402,7 @@ def build_optimizer(
       clip_outside: the caller clips the gradients itself (on the device, before a host
         update: optax's global norm cannot run as a host computation). `tx` then chains
         `optax.identity()` in the clipping's place, so its state has the same structure.
+      axis_name: the data-parallel axes (`OneBitAdam` only).
 
     Returns:
       `(tx, schedule)`: `tx` is `chain(clip_by_global_norm(c), optimizer)` when `c > 0`, else
@@ -380,7 +411,7 @@ def build_optimizer(
     if config.optimizer is None:
         raise ConfigError(f"optimizer is required; accepted types: {', '.join(OPTIMIZER_TYPES)}")
     schedule = make_schedule(config.scheduler, base_lr=base_learning_rate(config.optimizer))
-    tx = make_optimizer(config.optimizer, learning_rate=schedule)
+    tx = make_optimizer(config.optimizer, learning_rate=schedule, axis_name=axis_name)
     clip = _check_value(config.gradient_clipping or 0.0, "float", key_path="gradient_clipping")
     if clip < 0:
         raise ConfigError(f"gradient_clipping must be >= 0 (0 = off), got {clip}")

@@ -1,0 +1,104 @@
+"""The 1-bit Adam train step: a `shard_map` over the data-parallel axes that keeps gradients local.
+
+Inside the map each data-parallel worker computes the gradient of its own rows; no gradient
+all-reduce is inserted by XLA. `onebit_adam` then communicates what it needs: a full-precision
+`pmean` of the gradients during warm-up, and after `freeze_step` only its 1-bit compressed
+all-reduce of the momentum. The engine compiles one step per phase (`WARMUP`, `COMPRESSED`) and
+switches between them at `freeze_step`, so neither program carries the other's collectives.
+
+Only the data-parallel axes are manual: the `tensor` axis stays automatic, so tensor
+parallelism inside a data shard works as in the ordinary step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxspeed import precision
+from jaxspeed.errors import ConfigError
+from jaxspeed.optim.onebit import PHASE_ARG, onebit_state_specs
+from jaxspeed.train_step import StepSpec, TrainState, _loss_and_grads
+
+
+def check_onebit_config(config) -> None:
+    """1-bit Adam with what it does not combine with: one error naming each, and why."""
+    problems = []
+    zero = config.zero_optimization
+    if zero.stage != 0:
+        problems.append(
+            f"zero_optimization.stage={zero.stage}: each worker updates the whole momentum with "
+            f"its local gradient before the compressed all-reduce, so optimizer state and "
+            f"gradients cannot be sharded (use stage 0)"
+        )
+    if zero.offload_optimizer.device != "none" or zero.offload_param.device != "none":
+        problems.append("offload: the compressed all-reduce runs on the device state")
+    if config.fp16.enabled:
+        problems.append("fp16: dynamic loss scaling is not wired into the 1-bit step (use bf16)")
+    if problems:
+        raise ConfigError("optimizer.type OneBitAdam cannot be used with " + "; ".join(problems))
+
+
+def _local_rules(rules, axes: tuple[str, ...]):
+    """The logical rules without the manual axes (inside the map, batch is already local)."""
+    out = []
+    for name, mesh_axes in rules:
+        kept = tuple(a for a in ((mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes or ()) if a not in axes)
+        out.append((name, kept or None))
+    return tuple(out)
+
+
+def state_specs(abstract_state: TrainState, axes: tuple[str, ...]) -> TrainState:
+    """shard_map specs of the train state: error buffers split over `axes`, the rest whole."""
+    return TrainState(
+        step=P(),
+        params=jax.tree.map(lambda _: P(), abstract_state.params),
+        opt_state=onebit_state_specs(abstract_state.opt_state, axis_name=axes),
+        rng=P(),
+        loss_scale=None,
+    )
+
+
+def onebit_train_step(
+    spec: StepSpec, state: TrainState, batch: Any, *, mesh, axes: tuple[str, ...], rules,
+    phase: str, specs: TrainState,
+):
+    """One step of the 1-bit phase `phase` (jit it with the state's shardings)."""
+    local_spec = spec._replace(grad_shardings=None)
+    local_rules = _local_rules(rules, axes)
+
+    def local(state: TrainState, batch):
+        with nn.logical_axis_rules(local_rules):
+            micro = jax.tree.map(lambda x: x.reshape(spec.accumulation, -1, *x.shape[1:]), batch)
+            # Varying params: their gradient stays this worker's own (differentiating w.r.t. a
+            # replicated input would make shard_map's transpose all-reduce it).
+            varying = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), state.params)
+            compute = precision.cast_floating(varying, spec.compute_dtype)
+            loss, grads = _loss_and_grads(local_spec, compute, micro, jnp.float32(1))
+        updates, opt_state = spec.tx.update(
+            grads, state.opt_state, state.params, **{PHASE_ARG: phase}
+        )
+        metrics = {
+            "loss": jax.lax.pmean(loss, axes),
+            # the mean of the workers' local gradient norms (no gradient all-reduce)
+            "grad_norm": jax.lax.pmean(optax.tree.norm(grads), axes),
+            "lr": jnp.asarray(spec.schedule(state.step), jnp.float32),
+        }
+        new_state = state.replace(
+            step=state.step + 1,
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+            rng=jax.random.split(state.rng)[0],
+        )
+        return new_state, metrics
+
+    batch_specs = jax.tree.map(lambda _: P(axes), batch)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(specs, batch_specs), out_specs=(specs, P()),
+        axis_names=set(axes),
+    )(state, batch)
