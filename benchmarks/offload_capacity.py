@@ -35,7 +35,7 @@ OFFLOAD = {
     "offload_optimizer": {"device": "cpu", "update_on": "host"},
 }
 FULL = {"budget": "16GiB", "n_layers": 24, "seq_len": 1024, "head_dim": 128, "max_units": 128}
-QUICK = {"budget": "24MiB", "n_layers": 2, "seq_len": 32, "head_dim": 32, "max_units": 12}
+QUICK = {"budget": "5632KiB", "n_layers": 2, "seq_len": 32, "head_dim": 32, "max_units": 6}
 
 
 def bench_config(width: int, *, setup: dict, offload: bool):
