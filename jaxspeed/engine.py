@@ -73,8 +73,7 @@ class Engine:
         jit_step = functools.partial(
             jax.jit, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
         )
-        self._train = {None: jit_step(functools.partial(train_step, self._spec, dp))}
-        if self.onebit_axes:
+        if self.onebit_axes:  # one compiled step per phase, switched at freeze_step
             self.freeze_step = onebit_freeze_step(config.optimizer)
             specs = onebit_state_specs(self.abstract_state(), self.onebit_axes)
             self._train = {
@@ -84,6 +83,8 @@ class Engine:
                 ))
                 for phase in (WARMUP, COMPRESSED)
             }
+        else:
+            self._train = {None: jit_step(functools.partial(train_step, self._spec, dp))}
         self._eval = jax.jit(functools.partial(eval_step, self._spec, dp), in_shardings=(shardings, None))
 
     def _phase(self, step: int | None) -> str | None:
@@ -227,7 +228,8 @@ class Engine:
         from jaxspeed.profiler import jaxpr_flops
 
         with self._context():
-            return jaxpr_flops(self._train[self._phase(None)], self.abstract_state(), self.abstract_batch())
+            step = self._train[self._phase(None)]
+            return jaxpr_flops(step, self.abstract_state(), self.abstract_batch())
 
     def profile(self) -> dict[str, Any]:
         """FLOPs, the device's peak, and collective bytes per device of the compiled step."""

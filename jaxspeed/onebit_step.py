@@ -48,7 +48,8 @@ def _local_rules(rules, axes: tuple[str, ...]):
     """The logical rules without the manual axes (inside the map, batch is already local)."""
     out = []
     for name, mesh_axes in rules:
-        kept = tuple(a for a in ((mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes or ()) if a not in axes)
+        named = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+        kept = tuple(a for a in named if a not in axes)
         out.append((name, kept or None))
     return tuple(out)
 

@@ -45,7 +45,9 @@ def format_profile(profile: dict[str, Any]) -> list[str]:
         )
     lines.append("collective bytes per device per step:")
     moved = profile["collective_bytes"]
-    lines += [f"  {kind:34s} {format_bytes(moved[kind]):>12s}" for kind in COLLECTIVES if moved[kind]]
+    lines += [
+        f"  {kind:34s} {format_bytes(moved[kind]):>12s}" for kind in COLLECTIVES if moved[kind]
+    ]
     if not moved["total"]:
         lines.append("  (none)")
     return lines

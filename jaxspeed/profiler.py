@@ -35,9 +35,7 @@ _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z0-9]*)?)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLEE = re.compile(
-    r"\b(body|calls|true_computation|false_computation)=%?([^\s,)]+)"
-)
+_CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([^\s,)]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
@@ -97,7 +95,9 @@ def _collective(op: str) -> tuple[str, bool] | None:
     return None
 
 
-def _instruction_bytes(kind: str, is_start: bool, type_text: str, line: str, num_devices: int) -> int:
+def _instruction_bytes(
+    kind: str, is_start: bool, type_text: str, line: str, num_devices: int
+) -> int:
     sizes = _array_bytes(type_text)
     if is_start and kind != "all-reduce":
         # async starts return (operands..., outputs..., contexts...): drop the u32/s32 scalar

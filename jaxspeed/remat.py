@@ -25,7 +25,9 @@ POLICIES = (
 )
 
 
-def checkpoint_policy(name: str, names: Sequence[str] = (), *, known_names: Sequence[str] | None = None) -> Any:
+def checkpoint_policy(
+    name: str, names: Sequence[str] = (), *, known_names: Sequence[str] | None = None
+) -> Any:
     """The `jax.checkpoint` policy for a policy name (`full` → None: save nothing).
 
     Args:
