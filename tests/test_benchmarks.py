@@ -47,7 +47,10 @@ def check_result(obj: dict, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
-    ["zero_memory", "overhead", "throughput", "offload_capacity", "sparse_attention", "onebit_comm"],
+    [
+        "zero_memory", "overhead", "throughput", "offload_capacity", "sparse_attention",
+        "onebit_comm", "onebit_convergence",
+    ],
 )
 def test_quick_run_prints_a_result_line(name):
     results = run_quick(name)
