@@ -34,3 +34,11 @@ def test_example_trains_and_prints_a_finite_loss(script):
     assert "ZeRO stage 3" in result.stdout  # engine.plan.explain() ends the run
     # The embedding's `vocab` dimension was split over the tensor axis.
     assert re.search(r"^embedding\S*\s.*\btensor\b", result.stdout, re.MULTILINE), result.stdout
+
+
+def test_onebit_adam_in_a_plain_flax_loop():
+    result = _run("onebit_adam_flax.py", "--steps", "6", "--freeze-step", "3")
+    assert result.returncode == 0, f"failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+    losses = [float(loss) for _, loss in LOSS.findall(result.stdout)]
+    assert len(losses) == 6 and losses[-1] < losses[0], result.stdout
+    assert result.stdout.count("(compressed)") == 3
