@@ -26,7 +26,7 @@ from jaxspeed.engine import Engine, initialize
 from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.fit import DoesNotFit, device_memory, engine_verdict
 from jaxspeed.metrics_log import MetricsLog
-from jaxspeed.profiler import peak_flops
+from jaxspeed.profiler import mfu, peak_flops
 
 
 class TrainingInterrupted(JaxspeedError):
@@ -141,8 +141,9 @@ class _Throughput:
             "tokens_per_second": self.tokens_per_step * steps / seconds,
             "tflops_per_device": flops_per_second / 1e12,
         }
-        if self.peak:
-            out["mfu"] = flops_per_second / self.peak
+        utilisation = mfu(self.flops_per_device * steps, seconds, self.peak)
+        if utilisation is not None:
+            out["mfu"] = utilisation
         return out
 
 
