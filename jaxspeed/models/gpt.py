@@ -12,6 +12,7 @@ when the engine hands it bf16/fp16 copies of fp32 master parameters.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -22,6 +23,9 @@ import numpy as np
 
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxspeed.attention.block_sparse import IMPLS as SPARSE_IMPLS
+from jaxspeed.attention.block_sparse import block_sparse_attention
+from jaxspeed.attention.sparsity import SparsityConfig, sparsity_config_from_dict
 from jaxspeed.errors import ConfigError
 from jaxspeed.remat import POLICIES, checkpoint_policy
 
@@ -126,14 +130,28 @@ def causal_attention(q: Array, k: Array, v: Array) -> Array:
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+@functools.lru_cache(maxsize=32)
+def sparse_layout(config: SparsityConfig, seq_len: int) -> np.ndarray:
+    """The block layout `[heads, nb, nb]` of `config` at `seq_len`, built once per pair."""
+    layout = config.make_layout(seq_len)
+    layout.setflags(write=False)
+    return layout
+
+
 class Attention(nn.Module):
-    """Multi-head causal self-attention, no biases."""
+    """Multi-head causal self-attention, no biases.
+
+    With `sparse` set, the attention is restricted to that config's block layout (plus the
+    causal mask), through `jaxspeed.attention.block_sparse_attention` with `sparse_impl`.
+    """
 
     n_heads: int
     rotary: bool
     out_std: float
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
+    sparse: SparsityConfig | None = None
+    sparse_impl: str = "auto"
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -153,7 +171,11 @@ class Attention(nn.Module):
         q, k, v = project("query"), project("key"), project("value")
         if self.rotary:
             q, k = rotary_embedding(q), rotary_embedding(k)
-        y = causal_attention(q, k, v)
+        if self.sparse is None:
+            y = causal_attention(q, k, v)
+        else:
+            layout = sparse_layout(self.sparse, q.shape[1])
+            y = block_sparse_attention(q, k, v, layout, causal=True, impl=self.sparse_impl)
         y = nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
         y = checkpoint_name(y, "attn_context")
         out = _logical_param(
@@ -202,6 +224,8 @@ class Block(nn.Module):
     out_std: float
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
+    sparse: SparsityConfig | None = None
+    sparse_impl: str = "auto"
 
     @nn.compact
     def __call__(self, x: Array, _: Any = None) -> tuple[Array, None]:
@@ -209,7 +233,8 @@ class Block(nn.Module):
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         h = Norm(self.norm, self.param_dtype, name="attn_norm")(x)
         h = Attention(
-            self.n_heads, self.rotary, self.out_std, self.param_dtype, self.dtype, name="attn"
+            self.n_heads, self.rotary, self.out_std, self.param_dtype, self.dtype,
+            self.sparse, self.sparse_impl, name="attn",
         )(h)
         x = x + h.astype(x.dtype)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
@@ -224,8 +249,15 @@ class GPT(nn.Module):
 
     Attributes mirror the config's `model:` keys; `remat_policy` is one of
     `jaxspeed.remat.POLICIES`, applied to the scanned block; `remat_names` are the
-    `CHECKPOINT_NAMES` tags it saves with policy "names". `dtype=None` computes in the dtype
-    the parameters arrive in; logits are always float32.
+    `CHECKPOINT_NAMES` tags it saves with policy "names". `sparse_attention` (a
+    `jaxspeed.attention` sparsity config) makes every layer's attention block-sparse, through
+    `sparse_impl`. `dtype=None` computes in the dtype the parameters arrive in; logits are
+    always float32.
+
+    Besides `__call__`, the pieces are methods (for `apply(..., method=...)`), so the
+    pipeline can run the layers in stages: `embed` (tokens → residual stream), `layer_stack`
+    (an unbound stack of any number of layers, parameters like `params["layers"]` sliced on
+    the leading dimension) and `logits` (final norm and head).
     """
 
     vocab_size: int = 256
@@ -240,6 +272,8 @@ class GPT(nn.Module):
     tie_embeddings: bool = True
     remat_policy: str = "none"
     remat_names: tuple[str, ...] = ()
+    sparse_attention: SparsityConfig | None = None
+    sparse_impl: str = "auto"
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
 
@@ -248,6 +282,7 @@ class GPT(nn.Module):
         _check_choice("mlp", self.mlp, MLPS)
         _check_choice("positions", self.positions, POSITIONS)
         _check_choice("remat_policy", self.remat_policy, POLICIES)
+        _check_choice("sparse_attention.impl", self.sparse_impl, SPARSE_IMPLS)
         if self.remat_policy != "none":
             checkpoint_policy(self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES)
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -263,9 +298,20 @@ class GPT(nn.Module):
                 f"model.positions='rotary' needs an even head dim; got d_model/n_heads="
                 f"{self.d_model // self.n_heads}"
             )
+        sparse = self.sparse_attention
+        if sparse is not None and sparse.num_heads != self.n_heads:
+            raise ConfigError(
+                f"model.sparse_attention has num_heads={sparse.num_heads}, but the model has "
+                f"n_heads={self.n_heads}"
+            )
         super().__post_init__()
 
-    def _scanned_blocks(self) -> nn.Module:
+    def layer_stack(self, num_layers: int) -> nn.Module:
+        """`num_layers` decoder blocks scanned as one module, `(x, None) -> (x, None)`.
+
+        Called outside a module it is unbound: `stack.apply({"params": p}, x, None)` with
+        `p` a `[num_layers, ...]` slice of `params["layers"]` runs those layers.
+        """
         block_cls = Block
         if self.remat_policy != "none":
             policy = checkpoint_policy(
@@ -276,7 +322,7 @@ class GPT(nn.Module):
             block_cls,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            length=self.n_layers,
+            length=num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
         return scanned(
@@ -288,10 +334,56 @@ class GPT(nn.Module):
             out_std=_INIT_STD / math.sqrt(2 * self.n_layers),
             param_dtype=self.param_dtype,
             dtype=self.dtype,
-            name="layers",
+            sparse=self.sparse_attention,
+            sparse_impl=self.sparse_impl,
+            parent=self if self.scope is not None else None,  # unbound: a standalone module
         )
 
-    @nn.compact
+    def setup(self) -> None:
+        self.embedding = _logical_param(
+            self, "embedding", ("vocab", "embed"), (self.vocab_size, self.d_model), std=_INIT_STD
+        )
+        if self.positions == "learned":
+            self.pos_embedding = _logical_param(
+                self, "pos_embedding", ("length", "embed"), (self.max_seq_len, self.d_model),
+                std=_INIT_STD,
+            )
+        self.layers = self.layer_stack(self.n_layers)
+        self.final_norm = Norm(self.norm, self.param_dtype)
+        if not self.tie_embeddings:
+            self.head = _logical_param(
+                self, "head", ("embed", "vocab"), (self.d_model, self.vocab_size), std=_INIT_STD
+            )
+
+    def embed(self, tokens: Array) -> Array:
+        """int tokens `[batch, length]` → residual stream `[batch, length, embed]`."""
+        if tokens.ndim != 2:
+            raise ValueError(f"GPT expects tokens of shape [batch, length], got {tokens.shape}")
+        length = tokens.shape[1]
+        if length > self.max_seq_len:
+            raise ConfigError(
+                f"sequence length {length} exceeds model.max_seq_len={self.max_seq_len}"
+            )
+        x = _cast(jnp.take(self.embedding, tokens, axis=0), self.dtype)
+        if self.positions == "learned":
+            x = x + _cast(self.pos_embedding[:length], x.dtype)[None]
+        return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+    def logits(self, x: Array) -> Array:
+        """Residual stream `[batch, length, embed]` → float32 logits `[batch, length, vocab]`."""
+        x = self.final_norm(x)
+        if self.tie_embeddings:
+            logits = jnp.einsum(
+                "ble,ve->blv", x, _cast(self.embedding, x.dtype),
+                preferred_element_type=jnp.float32,
+            )
+        else:
+            logits = jnp.einsum(
+                "ble,ev->blv", x, _cast(self.head, x.dtype), preferred_element_type=jnp.float32
+            )
+        logits = logits.astype(jnp.float32)
+        return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+
     def __call__(self, tokens: Array) -> Array:
         """Next-token logits.
 
@@ -301,39 +393,8 @@ class GPT(nn.Module):
         Returns:
           float32 logits `[batch, length, vocab]`.
         """
-        if tokens.ndim != 2:
-            raise ValueError(f"GPT expects tokens of shape [batch, length], got {tokens.shape}")
-        length = tokens.shape[1]
-        if length > self.max_seq_len:
-            raise ConfigError(
-                f"sequence length {length} exceeds model.max_seq_len={self.max_seq_len}"
-            )
-        embedding = _logical_param(
-            self, "embedding", ("vocab", "embed"), (self.vocab_size, self.d_model), std=_INIT_STD
-        )
-        x = _cast(jnp.take(embedding, tokens, axis=0), self.dtype)
-        if self.positions == "learned":
-            pos = _logical_param(
-                self, "pos_embedding", ("length", "embed"), (self.max_seq_len, self.d_model),
-                std=_INIT_STD,
-            )
-            x = x + _cast(pos[:length], x.dtype)[None]
-        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-        x, _ = self._scanned_blocks()(x, None)
-        x = Norm(self.norm, self.param_dtype, name="final_norm")(x)
-        if self.tie_embeddings:
-            logits = jnp.einsum(
-                "ble,ve->blv", x, _cast(embedding, x.dtype), preferred_element_type=jnp.float32
-            )
-        else:
-            head = _logical_param(
-                self, "head", ("embed", "vocab"), (self.d_model, self.vocab_size), std=_INIT_STD
-            )
-            logits = jnp.einsum(
-                "ble,ev->blv", x, _cast(head, x.dtype), preferred_element_type=jnp.float32
-            )
-        logits = logits.astype(jnp.float32)
-        return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+        x, _ = self.layers(self.embed(tokens), None)
+        return self.logits(x)
 
 
 _GPT_FIELDS = (
@@ -342,11 +403,30 @@ _GPT_FIELDS = (
 )
 
 
+def _sparse_options(model_cfg: Any) -> dict[str, Any]:
+    """`model.sparse_attention: {mode, block, ..., impl}` → the `GPT` sparse attributes."""
+    block = getattr(model_cfg, "sparse_attention", None)
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise ConfigError(
+            f"model.sparse_attention: expected a mapping such as {{mode: fixed, block: 16}}, "
+            f"got {block!r}"
+        )
+    block = dict(block)
+    impl = block.pop("impl", "auto")
+    n_heads = getattr(model_cfg, "n_heads", GPT.n_heads)
+    config = sparsity_config_from_dict(block, num_heads=n_heads, path="model.sparse_attention")
+    return {"sparse_attention": config, "sparse_impl": impl}
+
+
 def build_gpt(model_cfg: Any, *, remat_policy: str = "none", remat_names=()) -> GPT:
     """Builds a `GPT` from a model config (any object with the `model:` attributes).
 
     Args:
       model_cfg: e.g. `jaxspeed.config.ModelConfig`; missing attributes take `GPT`'s defaults.
+        `sparse_attention` is DeepSpeed's block (`mode` and that mode's keys) plus `impl`
+        (`auto` | `pallas` | `xla`).
       remat_policy: activation-checkpointing policy name (see `GPT`).
       remat_names: `checkpoint_name` tags saved with policy "names".
 
@@ -354,16 +434,18 @@ def build_gpt(model_cfg: Any, *, remat_policy: str = "none", remat_names=()) -> 
       The (unbound) `GPT` module.
 
     Raises:
-      ValueError: for an unsupported model type, MoE or sparse attention, or a bad value.
+      ValueError: for an unsupported model type, MoE, or a bad value.
     """
     model_type = getattr(model_cfg, "type", "gpt")
     if model_type != "gpt":
         raise ConfigError(f"model.type: got {model_type!r}; accepted values are ['gpt']")
-    for key in ("moe", "sparse_attention"):
-        if getattr(model_cfg, key, None) is not None:
-            raise ConfigError(f"model.{key}: not supported yet by the reference GPT; set it to null")
+    if getattr(model_cfg, "moe", None) is not None:
+        raise ConfigError("model.moe: not supported yet by the reference GPT; set it to null")
     kwargs = {key: getattr(model_cfg, key) for key in _GPT_FIELDS if hasattr(model_cfg, key)}
-    return GPT(**kwargs, remat_policy=remat_policy, remat_names=tuple(remat_names))
+    return GPT(
+        **kwargs, **_sparse_options(model_cfg), remat_policy=remat_policy,
+        remat_names=tuple(remat_names),
+    )
 
 
 def count_params(params: Any) -> int:

@@ -1,0 +1,109 @@
+"""The reference GPT with block-sparse attention, and its pieces (embed / layer stacks / logits)."""
+
+from types import SimpleNamespace
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspeed.attention import DenseSparsityConfig, FixedSparsityConfig
+from jaxspeed.models import GPT, build_gpt
+from jaxspeed.models.gpt import sparse_layout
+
+TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=32)
+LENGTH = 32
+
+
+def _tokens(seed=0):
+    return jax.random.randint(jax.random.key(seed), (2, LENGTH), 0, TINY["vocab_size"])
+
+
+def _params(model):
+    return nn.unbox(jax.jit(model.init)(jax.random.key(0), _tokens()))
+
+
+def test_dense_layout_equals_the_dense_model():
+    dense = GPT(**TINY)
+    params = _params(dense)
+    sparse = GPT(**TINY, sparse_attention=DenseSparsityConfig(2, block=8), sparse_impl="xla")
+    chex.assert_trees_all_equal_shapes(params, _params(sparse))  # same parameters
+    tokens = _tokens(1)
+    chex.assert_trees_all_close(
+        jax.jit(sparse.apply)(params, tokens), jax.jit(dense.apply)(params, tokens),
+        rtol=1e-5, atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_fixed_layout_is_causal_and_differs_from_dense(impl):
+    config = FixedSparsityConfig(2, block=8, num_local_blocks=2, attention="unidirectional")
+    model = GPT(**TINY, sparse_attention=config, sparse_impl=impl)
+    params = _params(model)
+    tokens = _tokens(2)
+    logits = jax.jit(model.apply)(params, tokens)
+    changed = tokens.at[:, -1].set((tokens[:, -1] + 1) % TINY["vocab_size"])
+    later = jax.jit(model.apply)(params, changed)
+    chex.assert_trees_all_close(logits[:, :-1], later[:, :-1], rtol=1e-6, atol=1e-6)
+    dense = jax.jit(GPT(**TINY).apply)(params, tokens)
+    assert float(jnp.max(jnp.abs(dense - logits))) > 1e-4  # the layout drops blocks
+
+
+def test_build_gpt_reads_the_sparse_attention_block():
+    cfg = SimpleNamespace(
+        **TINY, sparse_attention={"mode": "fixed", "block": 8, "num_local_blocks": 2,
+                                  "attention": "unidirectional", "impl": "xla"},
+    )
+    model = build_gpt(cfg)
+    assert isinstance(model.sparse_attention, FixedSparsityConfig)
+    assert model.sparse_impl == "xla"
+    assert model.sparse_attention.num_local_blocks == 2
+
+
+@pytest.mark.parametrize(
+    "block, match",
+    [
+        ({"mode": "diagonal"}, "model.sparse_attention.mode"),
+        ({"mode": "fixed", "num_local_block": 2}, "did you mean 'num_local_blocks'"),
+        ({"mode": "fixed", "impl": "cuda"}, "sparse_attention.impl"),
+        ({"mode": "fixed", "num_heads": 3}, "num_heads"),
+        ("fixed", "expected a mapping"),
+    ],
+)
+def test_bad_sparse_attention_blocks_are_clear_errors(block, match):
+    with pytest.raises(ValueError, match=match):
+        build_gpt(SimpleNamespace(**TINY, sparse_attention=block))
+
+
+def test_sequence_not_divisible_by_block_is_a_clear_error():
+    model = GPT(**TINY, sparse_attention=FixedSparsityConfig(2, block=16), sparse_impl="xla")
+    tokens = jnp.zeros((1, 24), jnp.int32)
+    with pytest.raises(ValueError, match="divisible by block=16"):
+        model.init(jax.random.key(0), tokens)
+
+
+def test_layout_is_built_once_per_config_and_length():
+    config = FixedSparsityConfig(2, block=8, num_local_blocks=2)
+    sparse_layout.cache_clear()
+    first = sparse_layout(config, 32)
+    assert sparse_layout(FixedSparsityConfig(2, block=8, num_local_blocks=2), 32) is first
+    assert sparse_layout.cache_info().misses == 1
+    np.testing.assert_array_equal(first, config.make_layout(32))
+
+
+def test_pieces_compose_to_the_model():
+    """embed → two one-layer stacks → logits equals the model (the pipeline's stage split)."""
+    model = GPT(**TINY)
+    params = _params(model)["params"]
+    tokens = _tokens(3)
+    x = model.apply({"params": params}, tokens, method=GPT.embed)
+    stack = model.layer_stack(1)
+    for i in range(TINY["n_layers"]):
+        layer = jax.tree.map(lambda a, i=i: a[i : i + 1], params["layers"])
+        x, _ = stack.apply({"params": layer}, x, None)
+    logits = model.apply({"params": params}, x, method=GPT.logits)
+    chex.assert_trees_all_close(
+        logits, model.apply({"params": params}, tokens), rtol=1e-5, atol=1e-5
+    )
