@@ -3,8 +3,8 @@
 `jax.shard_map` is manual over `pipe` only, so the other mesh axes stay Auto and tensor /
 data / ZeRO shardings keep working inside a stage. A `lax.scan` runs the time steps of an
 `ExecutionPlan` (the schedule table as integer arrays): at each step every device looks up
-its own instruction (forward, backward or idle) and runs it under `lax.switch`; then
-activations move one stage on and cotangents one stage back with `lax.ppermute`.
+its own instruction (forward, backward or idle) and runs it; then activations move one stage
+on and cotangents one stage back with `lax.ppermute`.
 
 Gradients come one of two ways:
 - autodiff through the forward-only loop: `gpipe`, and `1f1b` / `interleaved` when no
@@ -15,6 +15,11 @@ Gradients come one of two ways:
   loss and its cotangent are taken at the last stage, per-microbatch `jax.vjp` residuals
   wait in a ring buffer of `plan.res_slots` entries (<= S for 1F1B), and the parameter and
   input cotangents are accumulated. Peak activation memory is bounded by S, not by M.
+
+In the autodiff loop every device evaluates its stage (and the loss) at every step, idle
+slots included, and masks the result: kept out of a `lax.switch`, the weight-only residuals
+are loop-invariant and not stacked once per step (see `_pipeline_body`). The cost is the
+stage run on the bubble slots, where the device would otherwise wait.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.pipeline.schedules import (
+    BACKWARD,
+    FORWARD,
+    FORWARD_LAST,
+    IDLE,
     ExecutionPlan,
     check_schedule_args,
     execution_plan,
@@ -152,6 +161,17 @@ def _pipeline_body(
 
     The returned function takes `(params [v, 1, ...], inputs [M, mb, ...], loss_params,
     loss_inputs [M, mb, ...])` as seen by one device of `axis`.
+
+    Memory layout choices (they decide what XLA keeps per step):
+    - "outputs" / "loss" are differentiated by autodiff through the scan. There every device
+      runs its stage (and, in "loss" mode, the loss) at every step, idle slots on microbatch
+      0 with the result discarded, instead of branching: a residual produced inside a
+      `lax.switch` branch is an output of the conditional, so the scan would stack it per
+      step, weights included. Unbranched, the weight-only residuals are loop-invariant and
+      hoisted out of the scan, and only the activations are stacked.
+    - "train" reads its ring buffers before the `lax.switch` and writes them after it, so the
+      conditional only sees one microbatch's values and the buffers are updated in place
+      (passing them through the branches made XLA double-buffer them).
     """
     stages = plan.kind.shape[1]
     num_mb = int(plan.microbatch.max()) + 1
@@ -173,6 +193,16 @@ def _pipeline_body(
         def chunk_params(c):
             return jax.tree.map(lambda a: a[0], params) if v == 1 else _index(params, c)
 
+        def stage_input(c, r):
+            # Idle slots read microbatch 0 of the inputs: real data, so the discarded result
+            # of an unbranched stage stays finite.
+            from_inputs = (r["first"] == 1) | (r["kind"] == IDLE)
+            return jax.tree.map(
+                lambda a, b: jnp.where(from_inputs, a, b),
+                _index(inputs, r["microbatch"]),
+                _index(c["act"], jnp.maximum(r["act_read"], 0)),
+            )
+
         carry = {"act": _zeros(x_template, (plan.act_slots,))}
         if mode == "outputs":
             carry["out"] = _zeros(inputs)
@@ -188,73 +218,93 @@ def _pipeline_body(
             carry["dinputs"] = _zeros(inputs)
             carry["dloss_params"] = _zeros(loss_params)
         carry = vary(carry)
-        no_send = vary(_zeros(x_template))
 
-        def run_stage(c, r):
-            p = chunk_params(r["chunk"])
-            x = jax.tree.map(
-                lambda a, b: jnp.where(r["first"] == 1, a, b),
-                _index(inputs, r["microbatch"]),
-                _index(c["act"], jnp.maximum(r["act_read"], 0)),
-            )
-            if mode != "train":
-                return stage_fn(p, x)
-            y, stored = svjp.forward(p, x)
-            c["res"] = _put(c["res"], r["res_slot"], stored)
-            return y
+        def receive(c, r, send_f, send_b):
+            recv = lax.ppermute(send_f, axis, fwd_perm)
+            c["act"] = _put_if(c["act"], r["act_recv"], recv, r["act_recv"] >= 0)
+            if send_b is not None:
+                recv = lax.ppermute(send_b, axis, bwd_perm)
+                c["grad"] = _put_if(c["grad"], r["grad_recv"], recv, r["grad_recv"] >= 0)
+            return c
 
-        def idle(c, r):
-            return c, no_send, no_send
-
-        def forward(c, r):
+        def step_forward(c, row):
+            """One step of "outputs" / "loss": unbranched (see the docstring)."""
+            r = {name: a[device] for name, a in row.items()}
             c = dict(c)
-            y = run_stage(c, r)
-            return vary(c), vary(y), no_send
-
-        def forward_last(c, r):
-            c = dict(c)
-            y = run_stage(c, r)
+            y = stage_fn(chunk_params(r["chunk"]), stage_input(c, r))
+            is_last = r["kind"] == FORWARD_LAST
             if mode == "outputs":
-                c["out"] = _put(c["out"], r["microbatch"], y)
-                return vary(c), no_send, no_send
-            extra = _index(loss_inputs, r["microbatch"])
-            if mode == "loss":
-                loss = loss_fn(loss_params, y, extra)
+                c["out"] = _put_if(c["out"], r["microbatch"], y, is_last)
             else:
+                loss = loss_fn(loss_params, y, _index(loss_inputs, r["microbatch"]))
+                loss = jnp.where(is_last, loss.astype(jnp.float32), 0.0)
+                c["loss"] = c["loss"] + loss / num_mb
+            # The receiver keeps a value only where the plan says so (act_recv >= 0).
+            return receive(c, r, y, None), None
+
+        def step_train(c, row):
+            """One step of "train": small branch outputs, buffers updated outside the switch."""
+            r = {name: a[device] for name, a in row.items()}
+            c = dict(c)
+            kind = r["kind"]
+            operands = (
+                chunk_params(r["chunk"]),
+                stage_input(c, r),
+                _index(c["res"], jnp.maximum(r["res_slot"], 0)),
+                _index(c["grad"], jnp.maximum(r["grad_read"], 0)),
+                _index(loss_inputs, r["microbatch"]),
+            )
+            zero_x = _zeros(x_template)
+            zero_loss = jnp.zeros((), jnp.float32)
+            zero_dlp = _zeros(loss_params)
+
+            def outputs(y=zero_x, stored=None, loss=zero_loss, dlp=zero_dlp, dy=zero_x,
+                        dp=None, dx=zero_x, p=None):
+                stored = stored if stored is not None else _zeros(svjp.stored_shapes)
+                dp = dp if dp is not None else _zeros(p)
+                return vary((y, stored, loss, dlp, dy, dp, dx))
+
+            def idle(ops):
+                return outputs(p=ops[0])
+
+            def forward(ops):
+                p, x, _, _, _ = ops
+                y, stored = svjp.forward(p, x)
+                return outputs(y=y, stored=stored, p=p)
+
+            def forward_last(ops):
+                p, x, _, _, extra = ops
+                y, stored = svjp.forward(p, x)
                 value_and_grad = jax.value_and_grad(loss_fn, argnums=(0, 1))
                 loss, (dlp, dy) = value_and_grad(loss_params, y, extra)
                 # The result is the mean over microbatches: d(mean)/d(loss_i) = 1/M.
                 per_mb = functools.partial(jax.tree.map, lambda g: g / num_mb)
-                c["dloss_params"] = jax.tree.map(jnp.add, c["dloss_params"], per_mb(dlp))
-                c["grad"] = _put(c["grad"], r["grad_self"], per_mb(dy))
-            c["loss"] = c["loss"] + loss.astype(jnp.float32) / num_mb
-            return vary(c), no_send, no_send
+                return outputs(
+                    stored=stored, loss=loss.astype(jnp.float32) / num_mb, dlp=per_mb(dlp),
+                    dy=per_mb(dy), p=p,
+                )
 
-        def backward(c, r):
-            c = dict(c)
-            p = chunk_params(r["chunk"])
-            stored = _index(c["res"], r["res_slot"])
-            dp, dx = svjp.backward(p, stored, _index(c["grad"], r["grad_read"]), axis)
+            def backward(ops):
+                p, _, stored, ct, _ = ops
+                dp, dx = svjp.backward(p, stored, ct, axis)
+                return outputs(dp=dp, dx=dx, p=p)
+
+            y, stored, loss, dlp, dy, dp, dx = lax.switch(
+                kind, [idle, forward, forward_last, backward], operands
+            )
+            is_forward = (kind == FORWARD) | (kind == FORWARD_LAST)
+            c["res"] = _put_if(c["res"], r["res_slot"], stored, is_forward & (r["res_slot"] >= 0))
+            c["grad"] = _put_if(c["grad"], r["grad_self"], dy, r["grad_self"] >= 0)
+            c["loss"] = c["loss"] + loss
+            c["dloss_params"] = jax.tree.map(jnp.add, c["dloss_params"], dlp)
             c["dparams"] = jax.tree.map(
                 lambda acc, g: acc.at[r["chunk"]].add(g.astype(acc.dtype)), c["dparams"], dp
             )
-            c["dinputs"] = _put_if(c["dinputs"], r["microbatch"], dx, r["first"] == 1)
-            return vary(c), no_send, vary(dx)
+            first_backward = (r["first"] == 1) & (kind == BACKWARD)
+            c["dinputs"] = _put_if(c["dinputs"], r["microbatch"], dx, first_backward)
+            return receive(c, r, y, dx), None
 
-        branches = [idle, forward, forward_last] + ([backward] if mode == "train" else [])
-
-        def step(c, row):
-            r = {name: a[device] for name, a in row.items()}
-            c, send_f, send_b = lax.switch(r["kind"], branches, c, r)
-            c = dict(c)
-            recv = lax.ppermute(send_f, axis, fwd_perm)
-            c["act"] = _put_if(c["act"], r["act_recv"], recv, r["act_recv"] >= 0)
-            if mode == "train":
-                recv = lax.ppermute(send_b, axis, bwd_perm)
-                c["grad"] = _put_if(c["grad"], r["grad_recv"], recv, r["grad_recv"] >= 0)
-            return c, None
-
-        carry, _ = lax.scan(step, carry, rows)
+        carry, _ = lax.scan(step_train if mode == "train" else step_forward, carry, rows)
 
         def from_device(tree, d):
             return lax.psum(jax.tree.map(lambda a: jnp.where(device == d, a, 0), tree), axis)
