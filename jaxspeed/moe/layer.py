@@ -1,0 +1,235 @@
+"""`MoE`: a mixture-of-experts FFN layer for Flax Linen, with DeepSpeed-MoE's options.
+
+Router + `E` expert FFNs (+ optional PR-MoE residual FFN and shared experts). Gating runs per
+token group (GShard), and under a mesh with an `expert` axis the experts are expert-parallel
+(see `jaxspeed.moe.parallel`). The layer records its (coefficient-scaled) aux loss + z-loss as
+one scalar in the `AUX_LOSS` collection, which the engine adds to the training loss, and
+routing statistics in `METRICS`.
+
+Parameters carry Flax logical partitioning metadata: experts `("expert", "embed", "mlp")` /
+`("expert", "mlp", "embed")`, dense FFNs `("embed", "mlp")` / `("mlp", "embed")`, the router
+`("embed", None)`. Model code never names mesh axes; the planner maps `expert` to the `expert`
+mesh axis and `mlp` to `tensor`, and ZeRO shards expert weights over `data` only and the rest
+over (`data`, `expert`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxspeed.errors import ConfigError
+from jaxspeed.moe.experts import ACTIVATIONS, ExpertParams, expert_ffn
+from jaxspeed.moe.gating import NOISY_GATE_POLICIES
+from jaxspeed.moe.parallel import GatingOptions, moe_ffn
+
+#: Flax collection of the aux losses (one already-scaled scalar per MoE call, under "moe").
+AUX_LOSS = "aux_loss"
+#: Flax collection of routing metrics: "dropped_fraction", "expert_counts", "balance_loss".
+METRICS = "moe_metrics"
+#: The rng stream for noisy gates and random token selection.
+GATING_RNG = "gating"
+
+
+def _normal(fan_in: int):
+    return nn.initializers.normal(stddev=1.0 / math.sqrt(fan_in))
+
+
+def _dense_ffn(x, w_in, w_out, w_gate, activation):
+    """One FFN `[T, M] -> [T, M]` with `expert_ffn`'s numerics (fp32 accumulate/activation)."""
+    params = ExpertParams(w_in[None], w_out[None], None if w_gate is None else w_gate[None])
+    return expert_ffn(x[None], params, activation=activation)[0]
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts FFN (GShard / DeepSpeed-MoE / Tutel), expert-parallel on a mesh.
+
+    `y = sum_j w_tj * expert_{e_tj}(x_t)` over each token's kept top-k choices, plus the
+    PR-MoE residual mix and shared experts when enabled.
+
+    Randomness (`use_rts` with drops, `gate_noise`, `noisy_gate_policy`) draws from the
+    "gating" rng stream when `deterministic=False`; without one the call raises (the defaults
+    use RTS, so training and `init` need `rngs={"gating": key}`, or `deterministic=True`).
+    Group `g` uses `fold_in(key, g)`, so the draws do not depend on the device layout.
+
+    Attributes:
+      num_experts: `E`.
+      d_ff: hidden size `H` of each expert (and of the residual / each shared FFN).
+      k: choices per token.
+      capacity_factor: training capacity `max(ceil(k * cf * Tg / E), min_capacity)` per
+        group of `Tg` tokens; must be > 0 with `drop_tokens` (dynamic capacity is not
+        offered by this layer).
+      eval_capacity_factor: the factor with `deterministic=True`.
+      min_capacity: lower bound of the capacity.
+      noisy_gate_policy: None, "Jitter" or "RSample" (DeepSpeed).
+      drop_tokens: False = dropless. Without expert parallelism the experts run as grouped
+        matmuls (`dropless_ffn`, no padding). Under expert parallelism the capacity becomes
+        the group's token count `Tg`, so the all-to-all buffers are `[E, Tg, M]` per group
+        (`E / k` times the tokens' size) and the expert FLOPs grow the same way.
+      use_rts: DeepSpeed's random token selection (slot order random); needs the "gating"
+        rng when training with `drop_tokens` (without drops it changes nothing and is off).
+      use_residual: PR-MoE (Rajbhandari et al. 2022): a dense FFN beside the experts, mixed
+        by a learned softmax coefficient `softmax(x @ W_c + b_c)` over (moe, dense).
+      num_shared_experts: dense FFNs always applied and added to the output (DeepSeekMoE),
+        stored fused as one FFN of hidden size `num_shared_experts * d_ff` (same math).
+      activation: "relu", "gelu" (exact) or "swiglu".
+      aux_loss_coef: coefficient of GShard's balance loss in the sown aux loss.
+      z_loss_coef: coefficient of the router z-loss (ST-MoE).
+      gate_noise: Tutel's gate noise std (times 1/E) on the logits.
+      bpr: batch-prioritized routing (Tutel).
+      normalize_gate: renormalize the kept top-k weights (k > 1), after drops.
+      impl: dispatch/combine implementation: "auto", "pallas" or "xla".
+      num_groups: token groups gated separately; None = the data-parallel size of the mesh.
+      expert_axis: the mesh axis the experts are sharded over.
+      param_dtype: dtype the params are created in.
+      dtype: compute dtype of the experts; None = the dtype the expert params arrive in. The
+        router always computes in fp32. The output has `x`'s dtype.
+    """
+
+    num_experts: int
+    d_ff: int
+    k: int = 1
+    capacity_factor: float = 1.0
+    eval_capacity_factor: float = 1.0
+    min_capacity: int = 4
+    noisy_gate_policy: str | None = None
+    drop_tokens: bool = True
+    use_rts: bool = True
+    use_residual: bool = False
+    num_shared_experts: int = 0
+    activation: str = "gelu"
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    gate_noise: float = 0.0
+    bpr: bool = False
+    normalize_gate: bool = True
+    impl: str = "auto"
+    num_groups: int | None = None
+    expert_axis: str = "expert"
+    param_dtype: Any = jnp.float32
+    dtype: Any = None
+
+    def _validate(self):
+        def positive_int(name, value, low=1):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"MoE.{name} must be an int >= {low}, got {value!r}")
+
+        positive_int("num_experts", self.num_experts)
+        positive_int("d_ff", self.d_ff)
+        positive_int("k", self.k)
+        positive_int("min_capacity", self.min_capacity, 0)
+        positive_int("num_shared_experts", self.num_shared_experts, 0)
+        if self.k > self.num_experts:
+            raise ConfigError(
+                f"MoE.k must be <= num_experts={self.num_experts}, got k={self.k}")
+        if self.drop_tokens and not self.capacity_factor > 0:
+            raise ConfigError(
+                f"MoE.capacity_factor must be > 0 with drop_tokens=True, got "
+                f"{self.capacity_factor}; use drop_tokens=False for dropless experts")
+        if self.drop_tokens and not self.eval_capacity_factor > 0:
+            raise ConfigError(
+                f"MoE.eval_capacity_factor must be > 0 with drop_tokens=True, got "
+                f"{self.eval_capacity_factor}")
+        if self.noisy_gate_policy not in NOISY_GATE_POLICIES + ("None",):
+            raise ConfigError(
+                f"MoE.noisy_gate_policy must be one of {NOISY_GATE_POLICIES}, got "
+                f"{self.noisy_gate_policy!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(
+                f"MoE.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.gate_noise < 0:
+            raise ConfigError(f"MoE.gate_noise must be >= 0, got {self.gate_noise}")
+        if self.use_rts and self.bpr and self.drop_tokens:
+            raise ConfigError(
+                "MoE.use_rts and MoE.bpr both set the slot order: set at most one to True")
+
+    def _param(self, name, names, shape, fan_in):
+        init = nn.with_logical_partitioning(_normal(fan_in), names)
+        return self.param(name, init, shape, self.param_dtype)
+
+    def _ffn_params(self, prefix, width, hidden, fan_hidden, *, expert: bool):
+        lead = ("expert",) if expert else ()
+        lead_shape = (self.num_experts,) if expert else ()
+        w_in = self._param(f"{prefix}w_in", lead + ("embed", "mlp"),
+                           lead_shape + (width, hidden), width)
+        w_out = self._param(f"{prefix}w_out", lead + ("mlp", "embed"),
+                            lead_shape + (hidden, width), fan_hidden)
+        w_gate = None
+        if self.activation == "swiglu":
+            w_gate = self._param(f"{prefix}w_gate", lead + ("embed", "mlp"),
+                                 lead_shape + (width, hidden), width)
+        return w_in, w_out, w_gate
+
+    def _gating_rng(self, opts: GatingOptions):
+        if not opts.needs_rng:
+            return None
+        if not self.has_rng(GATING_RNG):
+            raise ValueError(
+                f"MoE with {', '.join(opts.random_features)} needs a {GATING_RNG!r} rng when "
+                f"deterministic=False: pass rngs={{'{GATING_RNG}': key}} to apply/init, or "
+                f"call with deterministic=True")
+        return self.make_rng(GATING_RNG)
+
+    @nn.compact
+    def __call__(self, x, *, deterministic: bool = False):
+        """Applies the MoE FFN.
+
+        Args:
+          x: `[batch, length, embed]` or `[tokens, embed]`.
+          deterministic: eval mode: `eval_capacity_factor`, no noise, no random order.
+
+        Returns:
+          `x`'s shape and dtype.
+        """
+        self._validate()
+        if x.ndim not in (2, 3):
+            raise ValueError(
+                f"MoE input must be [batch, length, embed] or [tokens, embed], got {x.shape}")
+        width = x.shape[-1]
+        tokens = x.reshape(-1, width)
+        gate_kernel = self._param("gate_kernel", ("embed", None), (width, self.num_experts),
+                                  width)
+        experts = ExpertParams(*self._ffn_params("expert_", width, self.d_ff, self.d_ff,
+                                                 expert=True))
+        dtype = self.dtype or experts.w_in.dtype
+        h = tokens.astype(dtype)
+        opts = GatingOptions(
+            num_experts=self.num_experts, k=self.k, capacity_factor=self.capacity_factor,
+            eval_capacity_factor=self.eval_capacity_factor, min_capacity=self.min_capacity,
+            noisy_gate_policy=None if self.noisy_gate_policy == "None"
+            else self.noisy_gate_policy,
+            drop_tokens=self.drop_tokens, use_rts=self.use_rts, gate_noise=self.gate_noise,
+            bpr=self.bpr, normalize_gate=self.normalize_gate, z_loss_coef=self.z_loss_coef,
+            activation=self.activation, impl=self.impl, eval_mode=deterministic)
+        out = moe_ffn(h, gate_kernel, experts, opts=opts, num_groups=self.num_groups,
+                      rng=self._gating_rng(opts), expert_axis=self.expert_axis)
+        y = out.y.astype(jnp.float32)
+
+        if self.use_residual:
+            dense = _dense_ffn(h, *self._ffn_params("residual_", width, self.d_ff, self.d_ff,
+                                                    expert=False), self.activation)
+            coef_kernel = self._param("residual_coef_kernel", ("embed", None), (width, 2), width)
+            coef_bias = self.param(
+                "residual_coef_bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                   (None,)),
+                (2,), self.param_dtype)
+            logits = jnp.dot(h.astype(jnp.float32), coef_kernel.astype(jnp.float32),
+                             precision=jax.lax.Precision.HIGHEST)
+            coef = jax.nn.softmax(logits + coef_bias.astype(jnp.float32), axis=-1)
+            y = y * coef[:, :1] + dense.astype(jnp.float32) * coef[:, 1:]
+        if self.num_shared_experts:
+            hidden = self.num_shared_experts * self.d_ff
+            shared = _dense_ffn(h, *self._ffn_params("shared_", width, hidden, self.d_ff,
+                                                     expert=False), self.activation)
+            y = y + shared.astype(jnp.float32)
+
+        balance = jnp.mean(out.aux_loss)
+        self.sow(AUX_LOSS, "moe", self.aux_loss_coef * balance + jnp.mean(out.z_loss))
+        self.sow(METRICS, "balance_loss", balance)
+        self.sow(METRICS, "dropped_fraction", jnp.mean(out.dropped_fraction))
+        self.sow(METRICS, "expert_counts", jnp.sum(out.expert_counts, axis=0))
+        return y.astype(x.dtype).reshape(x.shape)

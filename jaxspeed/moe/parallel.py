@@ -1,0 +1,235 @@
+"""The MoE feed-forward over token groups, expert-parallel over the mesh's `expert` axis.
+
+Tokens are split into `G` groups (GShard): gating (capacity, slots, aux loss) is computed per
+group, so the math depends on `G` only, not on how groups are laid out on devices. A mesh with
+data=8, expert=1, one with data=1, expert=8 and a single device with `num_groups=8` compute the
+same outputs, gradients and losses.
+
+With data-parallel mesh axes (`data`, `expert`) of size > 1 in the current mesh, the layer runs
+inside `jax.shard_map`, manual over those axes and Auto over the rest (`tensor` keeps splitting
+the expert hidden dimension inside, and ZeRO-3 data-sharded weights are all-gathered by XLA at
+the boundary). Each device holds `G / dp` groups and, for expert parallelism (`ep` = size of
+the expert axis), GShard's two all-to-alls move the capacity buffers:
+
+    dispatch      [G_l, E, C, M] -> [E, G_l * C, M]
+    all_to_all    [E, G_l * C, M] -> [E / ep, ep * G_l * C, M]   (each expert to its owner)
+    expert FFN    on the local experts' weights [E / ep, M, H]
+    all_to_all    back to [E, G_l * C, M], then combine per group.
+
+Gradients of the weights replicated over manual axes (the router, and the experts over `data`)
+are summed over devices by `shard_map`'s transpose (the implicit `pvary` becomes a `psum`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from jaxspeed.errors import ConfigError
+from jaxspeed.mesh import DATA
+from jaxspeed.moe.dispatch import combine, dispatch
+from jaxspeed.moe.experts import ExpertParams, dropless_ffn, expert_ffn
+from jaxspeed.moe.gating import Routing, gate_logits, top_k_gating
+
+#: `fold_in` stream of DeepSpeed's `Jitter` (gating.py uses streams 0-2 for the rest).
+_JITTER_STREAM = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class GatingOptions:
+    """Static routing options, as in `top_k_gating` (see there)."""
+
+    num_experts: int
+    k: int = 1
+    capacity_factor: float = 1.0
+    eval_capacity_factor: float = 1.0
+    min_capacity: int = 4
+    noisy_gate_policy: str | None = None
+    drop_tokens: bool = True
+    use_rts: bool = True
+    gate_noise: float = 0.0
+    bpr: bool = False
+    normalize_gate: bool = True
+    z_loss_coef: float = 0.0
+    activation: str = "gelu"
+    impl: str = "auto"
+    eval_mode: bool = False
+
+    @property
+    def needs_rng(self) -> bool:
+        """Whether routing is random (and so needs a key)."""
+        return not self.eval_mode and bool(self.random_features)
+
+    @property
+    def random_features(self) -> tuple[str, ...]:
+        """Names of the options that make routing random outside eval mode."""
+        names = []
+        if self.noisy_gate_policy not in (None, "None"):
+            names.append(f"noisy_gate_policy={self.noisy_gate_policy!r}")
+        if self.use_rts and self.drop_tokens:  # without drops the token order changes nothing
+            names.append("use_rts=True")
+        if self.gate_noise > 0:
+            names.append(f"gate_noise={self.gate_noise}")
+        return tuple(names)
+
+
+class MoEOutput(NamedTuple):
+    """What `moe_ffn` returns; per-group values have a leading `[G]` (all groups).
+
+    Attributes:
+      y: `[T, M]` combined expert outputs, in the dtype of `x`.
+      aux_loss: fp32 `[G]`, GShard's balance loss per group, unscaled.
+      z_loss: fp32 `[G]`, the router z-loss per group, already scaled by `z_loss_coef`.
+      expert_counts: int32 `[G, E]`, choices per expert before drops.
+      dropped_fraction: fp32 `[G]`.
+    """
+
+    y: jax.Array
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    expert_counts: jax.Array
+    dropped_fraction: jax.Array
+
+
+def data_parallel_axes(expert_axis: str = "expert") -> dict[str, int]:
+    """The data-parallel axes (`data`, `expert_axis`) of the current mesh, name -> size.
+
+    Axes that are already manual (inside an outer `shard_map`) are left out.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return {}
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    return {a: mesh.shape[a] for a in (DATA, expert_axis)
+            if a in types and types[a] != AxisType.Manual}
+
+
+def default_num_groups(expert_axis: str = "expert") -> int:
+    """Product of the sizes of the current mesh's data-parallel axes (1 without a mesh)."""
+    return math.prod(data_parallel_axes(expert_axis).values())
+
+
+def _route(x, gate_kernel, rng, group_ids, opts: GatingOptions) -> Routing:
+    """Gates each group of `x [G_l, Tg, M]`; group `g` draws from `fold_in(rng, g)`."""
+    use_rts = opts.use_rts and opts.drop_tokens
+
+    def one(xg, gid):
+        key = None if rng is None else jax.random.fold_in(rng, gid)
+        jitter_key = None if key is None else jax.random.fold_in(key, _JITTER_STREAM)
+        logits = gate_logits(xg, gate_kernel, noisy_gate_policy=opts.noisy_gate_policy,
+                             rng=jitter_key, eval_mode=opts.eval_mode)
+        return top_k_gating(
+            logits, opts.k, opts.capacity_factor, min_capacity=opts.min_capacity,
+            drop_tokens=opts.drop_tokens, eval_mode=opts.eval_mode,
+            eval_capacity_factor=opts.eval_capacity_factor, normalize_gate=opts.normalize_gate,
+            noisy_gate_policy=opts.noisy_gate_policy, rng=key, gate_noise=opts.gate_noise,
+            use_rts=use_rts, bpr=opts.bpr, z_loss_coef=opts.z_loss_coef)
+
+    return jax.vmap(one)(x, group_ids)
+
+
+def _flat_routing(routing: Routing, num_experts: int) -> Routing:
+    """Groups as `G_l * E` virtual experts: one dispatch/combine call for all local groups."""
+    groups, tokens, k = routing.expert_index.shape
+    offset = (jnp.arange(groups, dtype=jnp.int32) * num_experts)[:, None, None]
+    return routing._replace(
+        expert_index=(routing.expert_index + offset).reshape(groups * tokens, k),
+        position=routing.position.reshape(groups * tokens, k),
+        weight=routing.weight.reshape(groups * tokens, k))
+
+
+def _local_moe(x, gate_kernel, experts: ExpertParams, rng, *, opts: GatingOptions,
+               group_offset, expert_axis: str | None, ep: int) -> MoEOutput:
+    """The MoE on this device's groups `x [G_l, Tg, M]`; all-to-all over `expert_axis` if ep > 1."""
+    groups, tokens, width = x.shape
+    num_experts = opts.num_experts
+    group_ids = group_offset + jnp.arange(groups, dtype=jnp.int32)
+    routing = _route(x, gate_kernel, rng, group_ids, opts)
+    flat_x = x.reshape(groups * tokens, width)
+    if not opts.drop_tokens and ep == 1:
+        y = dropless_ffn(flat_x, routing.expert_index.reshape(groups * tokens, -1),
+                         routing.weight.reshape(groups * tokens, -1), experts,
+                         activation=opts.activation)
+    else:
+        flat = _flat_routing(routing, num_experts)
+        capacity = flat.capacity
+        buf = dispatch(flat_x, flat, groups * num_experts, impl=opts.impl)  # [G_l*E, C, M]
+        buf = buf.reshape(groups, num_experts, capacity, width).transpose(1, 0, 2, 3)
+        buf = buf.reshape(num_experts, groups * capacity, width)
+        if ep > 1:
+            buf = jax.lax.all_to_all(buf, expert_axis, 0, 1, tiled=True)
+        out = expert_ffn(buf, experts, activation=opts.activation)
+        if ep > 1:
+            out = jax.lax.all_to_all(out, expert_axis, 1, 0, tiled=True)
+        out = out.reshape(num_experts, groups, capacity, width).transpose(1, 0, 2, 3)
+        y = combine(out.reshape(groups * num_experts, capacity, width), flat, impl=opts.impl)
+    return MoEOutput(y, routing.aux_loss, routing.z_loss, routing.expert_counts,
+                     routing.dropped_fraction)
+
+
+def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
+            num_groups: int | None = None, rng=None, expert_axis: str = "expert") -> MoEOutput:
+    """Routes `x` to the experts and back, per token group, expert-parallel under a mesh.
+
+    Args:
+      x: `[T, M]` tokens (in the compute dtype), `T` divisible by the number of groups.
+      gate_kernel: `[M, E]` router weight (the router runs in fp32).
+      experts: `ExpertParams` with `E` experts; under a mesh with an expert axis of size
+        `ep > 1`, expected sharded over it on the expert dimension (`E % ep == 0`).
+      opts: the routing options.
+      num_groups: `G`, the token groups gated separately; None = `default_num_groups()`.
+        Must be a multiple of the data-parallel size of the current mesh.
+      rng: a PRNG key, needed when `opts.needs_rng`; group `g` uses `fold_in(rng, g)`.
+      expert_axis: the mesh axis experts are sharded over.
+
+    Returns:
+      A `MoEOutput`.
+    """
+    tokens, width = x.shape
+    dp = data_parallel_axes(expert_axis)
+    dp_size = math.prod(dp.values())
+    groups = dp_size if num_groups is None else num_groups
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ConfigError(f"num_groups must be a positive int or None, got {num_groups!r}")
+    if groups % dp_size:
+        raise ConfigError(
+            f"num_groups={groups} must be a multiple of the data-parallel size {dp_size} "
+            f"(mesh axes {dp}); use None for the default")
+    if tokens % groups:
+        raise ConfigError(
+            f"the {tokens} tokens (batch * length) must split evenly into num_groups={groups} "
+            f"groups")
+    ep = dp.get(expert_axis, 1)
+    if opts.num_experts % ep:
+        raise ConfigError(
+            f"num_experts={opts.num_experts} must be divisible by the size {ep} of the mesh "
+            f"axis {expert_axis!r}")
+    if opts.needs_rng and rng is None:
+        raise ValueError(f"routing with {', '.join(opts.random_features)} needs a PRNG key")
+    xg = x.reshape(groups, tokens // groups, width)
+    if dp_size == 1:
+        out = _local_moe(xg, gate_kernel, experts, rng, opts=opts, group_offset=0,
+                         expert_axis=None, ep=1)
+        return out._replace(y=out.y.reshape(tokens, width))
+
+    axes = tuple(dp)
+    local_groups = groups // dp_size
+
+    def body(xl, kernel, local_experts, key):
+        offset = jax.lax.axis_index(axes) * local_groups
+        return _local_moe(xl, kernel, local_experts, key, opts=opts, group_offset=offset,
+                          expert_axis=expert_axis, ep=ep)
+
+    expert_spec = P(expert_axis) if expert_axis in dp else P()
+    key_spec = None if rng is None else P()
+    out = jax.shard_map(
+        body, in_specs=(P(axes), P(), expert_spec, key_spec),
+        out_specs=MoEOutput(P(axes), P(axes), P(axes), P(axes), P(axes)),
+        axis_names=frozenset(axes))(xg, gate_kernel, experts, rng)
+    return out._replace(y=out.y.reshape(tokens, width))

@@ -1,0 +1,145 @@
+"""Expert parallelism of the `MoE` layer (jaxspeed/moe/parallel.py) on 8 emulated devices.
+
+Every layout computes the same math as one device with `num_groups=8`: outputs, gradients
+(params and input), the sown aux loss and the expert counts, with drops, random token
+selection and gate noise on.
+"""
+
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxspeed.errors import ConfigError
+from jaxspeed.mesh import make_mesh
+from jaxspeed.moe.layer import AUX_LOSS, METRICS, MoE
+from jaxspeed.sharding.planner import plan_sharding
+
+# Tiny test programs: cheap compiles matter more than fast code.
+fast_jit = functools.partial(jax.jit, compiler_options={
+    "xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False})
+TOL = dict(rtol=1e-5, atol=1e-6)
+OPTIONS = dict(num_experts=8, d_ff=16, k=2, capacity_factor=1.0, min_capacity=1,
+               gate_noise=1.0, use_rts=True, aux_loss_coef=0.1, z_loss_coef=0.01)
+
+
+def f32(a):
+    return jnp.asarray(np.asarray(a, np.float32))
+
+
+X = np.random.default_rng(1).normal(size=(8, 8, 12)).astype(np.float32)  # T=64, Tg=8, C=2
+COT = np.random.default_rng(2).normal(size=X.shape).astype(np.float32)
+
+
+def abstract(module):
+    return jax.eval_shape(functools.partial(module.init, deterministic=True),
+                          {"params": jax.random.key(0)}, jnp.zeros(X.shape))
+
+
+def numpy_params(module):
+    rng = np.random.default_rng(0)
+    shapes = nn.unbox(abstract(module)["params"])
+    return jax.tree.map(lambda s: (rng.normal(size=s.shape) * 0.5).astype(np.float32), shapes)
+
+
+def loss_fn(module, params, x, key):
+    y, state = module.apply({"params": params}, x, rngs={"gating": key},
+                            mutable=[AUX_LOSS, METRICS])
+    aux = sum(jax.tree.leaves(state[AUX_LOSS]))
+    return jnp.sum(y * COT) + aux, (y, aux, state[METRICS])
+
+
+def run(module, params, x):
+    """(loss, (y, aux, metrics)), (d params, d x), and the lowered program's text."""
+    step = fast_jit(jax.value_and_grad(functools.partial(loss_fn, module), argnums=(0, 1),
+                                       has_aux=True))
+    lowered = step.lower(params, x, jax.random.key(3))
+    return lowered.compile()(params, x, jax.random.key(3)), lowered.as_text()
+
+
+@functools.cache
+def single_device(drop_tokens=True):
+    module = MoE(num_groups=8, drop_tokens=drop_tokens, **OPTIONS)
+    params = jax.tree.map(jnp.asarray, numpy_params(module))
+    out, _ = run(module, params, f32(X))
+    return out
+
+
+@pytest.mark.parametrize("axes,stage", [
+    ({"data": 8}, 0),
+    ({"expert": 8}, 0),
+    # expert parallelism, tensor-split experts, ZeRO-3 over data, 2 groups per device
+    ({"data": 2, "expert": 2, "tensor": 2}, 3),
+    pytest.param({"expert": 4, "tensor": 2}, 0, marks=pytest.mark.slow),
+])
+def test_layouts_equal_single_device(axes, stage):
+    ref = single_device()
+    metrics = ref[0][1][2]
+    assert int(metrics["expert_counts"][0].sum()) == 64 * 2
+    assert float(metrics["dropped_fraction"][0]) > 0
+    mesh = make_mesh(axes)
+    dp = mesh.shape["data"] * mesh.shape["expert"]
+    module = MoE(num_groups=None if dp == 8 else 8, **OPTIONS)
+    host_params = numpy_params(module)
+    specs = nn.get_partition_spec(abstract(module))["params"]
+    with jax.set_mesh(mesh):
+        plan = plan_sharding(host_params, specs, mesh, stage=stage)
+        params = jax.device_put(host_params, plan.params)
+        x = jax.device_put(X, NamedSharding(mesh, P(("data", "expert"))))
+        out, text = run(module, params, x)
+    if mesh.shape["expert"] > 1:
+        assert "all_to_all" in text
+    if stage == 3:  # experts ZeRO-3 over data (and split over tensor), the router over both
+        assert params["expert_w_in"].sharding.spec == P("expert", "data", "tensor")
+        assert params["gate_kernel"].sharding.spec == P(("data", "expert"), None)
+    chex.assert_trees_all_close(out, ref, **TOL)
+
+
+@pytest.mark.slow
+def test_dropless_under_expert_parallelism_equals_single_device():
+    ref = single_device(drop_tokens=False)
+    module = MoE(drop_tokens=False, **OPTIONS)
+    params = numpy_params(module)
+    with jax.set_mesh(make_mesh({"expert": 8})):
+        out, text = run(module, params, f32(X))
+    assert "all_to_all" in text
+    chex.assert_trees_all_close(out, ref, **TOL)
+
+
+def test_zero3_plan_shards_experts_over_data_only():
+    mesh = make_mesh({"data": 2, "expert": 2, "tensor": 2})
+    module = MoE(num_experts=4, d_ff=16, use_residual=True, num_shared_experts=1)
+    shapes = nn.unbox(abstract(module)["params"])
+    specs = nn.get_partition_spec(abstract(module))["params"]
+    plan = plan_sharding(shapes, specs, mesh, stage=3)
+    got = jax.tree.map(lambda s: s.spec, plan.params)
+
+    def axes(spec):
+        return [a for e in spec for a in ((e,) if isinstance(e, str) else e or ())]
+
+    for name, spec in got.items():
+        if name.startswith("expert_"):
+            assert spec[0] == "expert" and axes(spec).count("expert") == 1, (name, spec)
+            assert "data" in axes(spec) and "tensor" in axes(spec), (name, spec)
+        elif name not in ("residual_coef_bias",):  # 2 elements: too small to shard 4 ways
+            assert {"data", "expert"} <= set(axes(spec)), (name, spec)
+
+
+def test_num_experts_not_divisible_by_expert_axis_raises():
+    module = MoE(num_experts=6, d_ff=8, num_groups=8)
+    with jax.set_mesh(make_mesh({"expert": 4, "data": 2})):
+        with pytest.raises(ConfigError, match="num_experts=6"):
+            abstract(module)
+
+
+def test_num_groups_must_be_a_multiple_of_data_parallel_size():
+    module = MoE(num_experts=8, d_ff=8, num_groups=4)
+    with jax.set_mesh(make_mesh({"data": 8})):
+        with pytest.raises(ConfigError, match="num_groups=4"):
+            abstract(module)
