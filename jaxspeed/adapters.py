@@ -6,14 +6,17 @@ names of each parameter (from Flax's partitioning metadata).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
+import flax.core
 from flax import nnx
 
 from jaxspeed.errors import JaxspeedError
+from jaxspeed.losses import AUX_LOSS, total_aux_loss
 from jaxspeed.tree_paths import key_names
 
 
@@ -24,7 +27,9 @@ class ModelFns(NamedTuple):
       abstract_params: pytree of `ShapeDtypeStruct`, the parameter structure.
       logical_axes: pytree like the params of logical-name tuples (or None), or a function
         `(path, leaf) -> names`.
-      apply: `(params, inputs) -> outputs`.
+      apply: `(params, inputs, rng, train) -> (outputs, aux_loss)`; `aux_loss` is the sum of
+        the auxiliary losses the model recorded (Linen: `sow`n into the `aux_loss`
+        collection), or None when it records none.
       init: `(rng) -> params`, traceable (jitted with the plan's shardings), or None when
         the params already exist (`initial_params`).
       initial_params: concrete params (NNX instances, plain pytrees), else None.
@@ -37,15 +42,41 @@ class ModelFns(NamedTuple):
     initial_params: Any
 
 
+#: What `init` keeps: every collection but the sown auxiliary losses and intermediates.
+_INIT_COLLECTIONS = flax.core.DenyList((AUX_LOSS, "intermediates"))
+
+
+def _takes_deterministic(module: nn.Module) -> bool:
+    try:
+        return "deterministic" in inspect.signature(module.__call__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def linen_fns(module: nn.Module, sample_inputs) -> ModelFns:
-    """Linen: params come from `module.init`, logical axes from `nn.with_logical_partitioning`."""
+    """Linen: params come from `module.init`, logical axes from `nn.with_logical_partitioning`.
+
+    The apply passes the `gating` and `dropout` rngs, `deterministic=not train` when the
+    module's `__call__` takes it (the Flax convention), and collects the `aux_loss` collection.
+    """
+    flag = _takes_deterministic(module)
 
     def init(rng):
-        variables = module.init(rng, sample_inputs)
+        variables = module.init(rng, sample_inputs, mutable=_INIT_COLLECTIONS)
         _only_params(variables)
         return nn.unbox(variables["params"])
 
-    boxed = jax.eval_shape(lambda rng: module.init(rng, sample_inputs), jax.random.key(0))
+    def apply(params, inputs, rng, train):
+        rngs = {"gating": jax.random.fold_in(rng, 0), "dropout": jax.random.fold_in(rng, 1)}
+        kwargs = {"deterministic": not train} if flag else {}
+        outputs, state = module.apply(
+            {"params": params}, inputs, rngs=rngs, mutable=[AUX_LOSS], **kwargs
+        )
+        return outputs, total_aux_loss(state)
+
+    boxed = jax.eval_shape(
+        lambda rng: module.init(rng, sample_inputs, mutable=_INIT_COLLECTIONS), jax.random.key(0)
+    )
     _only_params(boxed)
     logical = nn.get_partition_spec(boxed)["params"]
     logical = jax.tree.map(
@@ -56,7 +87,7 @@ def linen_fns(module: nn.Module, sample_inputs) -> ModelFns:
     return ModelFns(
         abstract_params=nn.unbox(boxed["params"]),
         logical_axes=logical,
-        apply=lambda params, inputs: module.apply({"params": params}, inputs),
+        apply=apply,
         init=init,
         initial_params=None,
     )
@@ -89,7 +120,7 @@ def nnx_fns(model: nnx.Module) -> ModelFns:
     return ModelFns(
         abstract_params=jax.eval_shape(lambda: params),
         logical_axes=logical_axes,
-        apply=lambda p, inputs: nnx.merge(graphdef, p, rest)(inputs),
+        apply=lambda p, inputs, rng, train: (nnx.merge(graphdef, p, rest)(inputs), None),
         init=None,
         initial_params=params,
     )
@@ -110,7 +141,7 @@ def pytree_fns(apply: Callable, params, param_axes=None) -> ModelFns:
     return ModelFns(
         abstract_params=jax.eval_shape(lambda: params),
         logical_axes=param_axes,
-        apply=apply,
+        apply=lambda p, inputs, rng, train: (apply(p, inputs), None),
         init=None,
         initial_params=params,
     )

@@ -22,7 +22,7 @@ from jaxspeed.config import Config, load_config, resolve_batch
 from jaxspeed.data import make_global_batch
 from jaxspeed.errors import ConfigError
 from jaxspeed.losses import lm_loss
-from jaxspeed.mesh import DATA_PARALLEL_AXES, data_parallel_size, make_mesh
+from jaxspeed.mesh import DATA_PARALLEL_AXES, PIPE, data_parallel_size, make_mesh
 from jaxspeed.optim import build_optimizer
 from jaxspeed.sharding import Plan, plan_sharding
 from jaxspeed.sharding.rules import DEFAULT_RULES
@@ -32,6 +32,7 @@ from jaxspeed.onebit_step import state_specs as onebit_state_specs
 from jaxspeed.optim.factory import onebit_freeze_step
 from jaxspeed.optim.onebit import COMPRESSED, WARMUP
 from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
+from jaxspeed.pipeline.model import pipelined_lm_objective
 from jaxspeed.train_step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
 
 
@@ -42,7 +43,9 @@ class Engine:
     the old state.
     """
 
-    def __init__(self, *, config: Config, mesh: Mesh, fns: ModelFns, plan: Plan, loss_fn):
+    def __init__(
+        self, *, config: Config, mesh: Mesh, fns: ModelFns, plan: Plan, loss_fn, model=None
+    ):
         self.config = config
         self.mesh = mesh
         self.fns = fns
@@ -56,12 +59,13 @@ class Engine:
         self.compute_dtype = precision.compute_dtype(config)
         self._checkpointers: dict[str, Checkpointer] = {}
         self._compiled: dict[str | None, Any] = {}
+        pipelined = mesh.shape.get(PIPE, 1) > 1
         self._spec = StepSpec(
-            apply=fns.apply,
-            loss_fn=loss_fn,
+            objective=_objective(config, mesh, fns, loss_fn, model),
             tx=self.tx,
             schedule=self.schedule,
-            accumulation=self.batch_sizes.accumulation_steps,
+            # with a pipeline, its microbatches are the accumulation steps (one scan fewer)
+            accumulation=1 if pipelined else self.batch_sizes.accumulation_steps,
             compute_dtype=self.compute_dtype,
             grad_shardings=plan.grads,
             micro_sharding=self._micro_sharding,
@@ -293,12 +297,41 @@ def onebit_axes(config: Config, mesh: Mesh) -> tuple[str, ...] | None:
 
 
 def _check_supported(config: Config) -> None:
-    """Features whose config keys exist but which later issues deliver: refuse, never fake."""
-    todo = []
-    if config.mesh.pipe not in (1,):
-        todo.append(f"mesh.pipe={config.mesh.pipe} (pipeline parallelism)")
-    if todo:
-        raise ConfigError("not available in this version of jaxspeed yet: " + "; ".join(todo))
+    """Combinations whose config keys exist but which do not work together: refuse, never fake."""
+    if config.mesh.pipe > 1:
+        for name, used in (
+            ("model.moe", config.model.moe is not None),
+            ("optimizer.type=OneBitAdam", config.optimizer.type == "OneBitAdam"),
+        ):
+            if used:
+                raise ConfigError(
+                    f"{name} with pipeline parallelism (mesh.pipe={config.mesh.pipe}) is not "
+                    f"available in this version of jaxspeed; use mesh.pipe=1"
+                )
+
+
+def _objective(config: Config, mesh: Mesh, fns: ModelFns, loss_fn, model):
+    """The step's `(params, batch, rng, train) -> (loss, extras)` (see `train_step.Objective`).
+
+    The model's loss plus the auxiliary losses it records (logged as `aux_loss`); with
+    `mesh.pipe > 1`, the reference GPT's layers run as a pipeline over `pipe`.
+    """
+    if mesh.shape.get(PIPE, 1) > 1:
+        pipe = config.pipeline
+        pipelined = pipelined_lm_objective(
+            model, loss_fn, mesh=mesh, num_microbatches=pipe.num_microbatches,
+            schedule=pipe.schedule, partition=pipe.partition, virtual_stages=pipe.virtual_stages,
+        )
+        return lambda params, batch, rng, train: (pipelined(params, batch), {})
+
+    def objective(params, batch, rng, train):
+        outputs, aux = fns.apply(params, batch["inputs"], rng, train)
+        loss = loss_fn(outputs, batch).astype(jnp.float32)
+        if aux is None:
+            return loss, {}
+        return loss + aux, {"aux_loss": aux}
+
+    return objective
 
 
 def initialize(
@@ -349,4 +382,6 @@ def initialize(
         offload_optimizer=zero.offload_optimizer.device == "cpu",
         offload_params=zero.offload_param.device == "cpu",
     )
-    return Engine(config=config, mesh=mesh, fns=fns, plan=plan, loss_fn=loss_fn or lm_loss)
+    return Engine(
+        config=config, mesh=mesh, fns=fns, plan=plan, loss_fn=loss_fn or lm_loss, model=model
+    )

@@ -37,3 +37,16 @@ def lm_loss(logits: jax.Array, batch: Mapping[str, Any]) -> jax.Array:
     weights = jnp.broadcast_to(jnp.asarray(mask, dtype=jnp.float32), losses.shape)
     total = jnp.sum(weights)
     return jnp.sum(losses * weights) / jnp.where(total > 0, total, 1.0)
+
+
+#: The Flax variable collection layers `sow` auxiliary losses into (e.g. the MoE load-balancing
+#: loss); the engine adds the sum of its leaves to the training loss.
+AUX_LOSS = "aux_loss"
+
+
+def total_aux_loss(collections: Mapping[str, Any]) -> jax.Array | None:
+    """Sum of every leaf of the `AUX_LOSS` collection (float32), or None when nothing was sown."""
+    leaves = jax.tree.leaves(collections.get(AUX_LOSS, {}))
+    if not leaves:
+        return None
+    return sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in leaves)

@@ -80,7 +80,10 @@ def onebit_train_step(
             # replicated input would make shard_map's transpose all-reduce it).
             varying = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), state.params)
             compute = precision.cast_floating(varying, spec.compute_dtype)
-            loss, grads = _loss_and_grads(local_spec, compute, micro, jnp.float32(1))
+            next_rng, step_rng = jax.random.split(state.rng)
+            loss, extras, grads = _loss_and_grads(
+                local_spec, compute, micro, step_rng, jnp.float32(1)
+            )
         updates, opt_state = spec.tx.update(
             grads, state.opt_state, state.params, **{PHASE_ARG: phase}
         )
@@ -89,12 +92,13 @@ def onebit_train_step(
             # the mean of the workers' local gradient norms (no gradient all-reduce)
             "grad_norm": jax.lax.pmean(optax.tree.norm(grads), axes),
             "lr": jnp.asarray(spec.schedule(state.step), jnp.float32),
+            **jax.tree.map(lambda x: jax.lax.pmean(x, axes), extras),
         }
         new_state = state.replace(
             step=state.step + 1,
             params=optax.apply_updates(state.params, updates),
             opt_state=opt_state,
-            rng=jax.random.split(state.rng)[0],
+            rng=next_rng,
         )
         return new_state, metrics
 

@@ -52,11 +52,15 @@ class OffloadSpec(NamedTuple):
     clip: float = 0.0
 
 
+#: `(params, batch, rng, train) -> (loss, extras)`: the scalar to minimise (auxiliary losses
+#: included) and a dict of extra scalar metrics (e.g. `aux_loss`), both float32.
+Objective = Callable[[Any, Any, jax.Array, bool], tuple[jax.Array, dict[str, jax.Array]]]
+
+
 class StepSpec(NamedTuple):
     """What the step needs to know besides the state and the batch."""
 
-    apply: Callable[[Any, Any], Any]
-    loss_fn: Callable[[Any, Any], jax.Array]
+    objective: Objective
     tx: optax.GradientTransformation
     schedule: Callable[[jax.Array], jax.Array]
     accumulation: int
@@ -83,38 +87,53 @@ def split_microbatches(batch, accumulation: int, data_parallel: int, micro_shard
     return jax.tree.map(split, batch)
 
 
-def _microbatch_loss(spec: StepSpec, compute_params, batch, scale):
-    loss = spec.loss_fn(spec.apply(compute_params, batch["inputs"]), batch).astype(jnp.float32)
-    return loss * scale, loss
+def _microbatch_loss(spec: StepSpec, compute_params, batch, rng, scale, train: bool = True):
+    """`(scaled loss, (loss, extras))` of one microbatch."""
+    loss, extras = spec.objective(compute_params, batch, rng, train)
+    loss = loss.astype(jnp.float32)
+    return loss * scale, (loss, extras)
 
 
 def _float32(tree):
     return jax.tree.map(lambda g: g.astype(jnp.float32), tree)
 
 
-def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, scale):
-    """Mean loss and fp32 gradients over the microbatches (a scan, no Python loop).
+def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, rng, scale):
+    """Mean loss, mean extras and fp32 gradients over the microbatches (a scan, no Python loop).
 
     Gradients are taken w.r.t. the compute-dtype params and cast to fp32 before they are
-    reduced across devices: the same values as differentiating through the cast.
+    reduced across devices: the same values as differentiating through the cast. Microbatch
+    i draws its randomness from `fold_in(rng, i)`.
     """
-    grad_fn = jax.value_and_grad(lambda p, b: _microbatch_loss(spec, p, b, scale), has_aux=True)
+    grad_fn = jax.value_and_grad(
+        lambda p, b, r: _microbatch_loss(spec, p, b, r, scale), has_aux=True
+    )
     constrain = lambda g: jax.lax.with_sharding_constraint(g, spec.grad_shardings)  # noqa: E731
     n = spec.accumulation
     if n == 1:  # one microbatch: no accumulator to carry
-        (_, loss), grads = grad_fn(compute_params, jax.tree.map(lambda x: x[0], micro_batches))
-        return loss, constrain(jax.tree.map(lambda g: g / scale, _float32(grads)))
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        (_, (loss, extras)), grads = grad_fn(compute_params, first, jax.random.fold_in(rng, 0))
+        return loss, extras, constrain(jax.tree.map(lambda g: g / scale, _float32(grads)))
 
-    def body(carry, batch):
-        grads_sum, loss_sum = carry
-        (_, loss), grads = grad_fn(compute_params, batch)
+    def body(carry, indexed):
+        i, batch = indexed
+        grads_sum, loss_sum, extras_sum = carry
+        (_, (loss, extras)), grads = grad_fn(compute_params, batch, jax.random.fold_in(rng, i))
         # ZeRO-2/3: the running sum already lives in the gradient sharding (reduce-scattered).
         grads_sum = constrain(jax.tree.map(jnp.add, grads_sum, _float32(grads)))
-        return (grads_sum, loss_sum + loss), None
+        return (grads_sum, loss_sum + loss, jax.tree.map(jnp.add, extras_sum, extras)), None
 
     zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), compute_params))
-    (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro_batches)
-    return loss / n, constrain(jax.tree.map(lambda g: g / (n * scale), grads))
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    extras_shape = jax.eval_shape(
+        lambda p, b: _microbatch_loss(spec, p, b, rng, scale)[1][1], compute_params, first
+    )
+    init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, extras_shape))
+    (grads, loss, extras), _ = jax.lax.scan(body, init, (jnp.arange(n), micro_batches))
+    mean = lambda x: x / n  # noqa: E731
+    return mean(loss), jax.tree.map(mean, extras), constrain(
+        jax.tree.map(lambda g: g / (n * scale), grads)
+    )
 
 
 def _compute_params(spec: StepSpec, params):
@@ -180,7 +199,10 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     """
     micro = split_microbatches(batch, spec.accumulation, data_parallel, spec.micro_sharding)
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
-    loss, grads = _loss_and_grads(spec, _compute_params(spec, state.params), micro, scale)
+    next_rng, step_rng = jax.random.split(state.rng)
+    loss, extras, grads = _loss_and_grads(
+        spec, _compute_params(spec, state.params), micro, step_rng, scale
+    )
     norm = optax.tree.norm(grads)
     loss_scale = state.loss_scale
     finite = precision.all_finite(grads) if loss_scale is not None else None
@@ -189,6 +211,7 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
         "loss": loss,
         "grad_norm": norm,
         "lr": jnp.asarray(spec.schedule(state.step), jnp.float32),
+        **extras,
     }
     if loss_scale is not None:
         loss_scale = precision.update_loss_scale(
@@ -200,7 +223,7 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
         step=state.step + 1,
         params=params,
         opt_state=opt_state,
-        rng=jax.random.split(state.rng)[0],
+        rng=next_rng,
         loss_scale=loss_scale,
     )
     return new_state, metrics
@@ -212,7 +235,7 @@ def eval_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     params = _compute_params(spec, state.params)
 
     def body(total, b):
-        return total + _microbatch_loss(spec, params, b, 1.0)[1], None
+        return total + _microbatch_loss(spec, params, b, state.rng, 1.0, train=False)[1][0], None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), micro)
     return {"loss": total / spec.accumulation}

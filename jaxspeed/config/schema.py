@@ -198,6 +198,8 @@ class PipelineConfig(_Section):
     num_microbatches: _PositiveInt = 1
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     partition: Literal["uniform", "balanced"] = "uniform"
+    #: stages per device with `schedule: interleaved` (ignored by the other schedules)
+    virtual_stages: _PositiveInt = 2
 
 
 class ModelConfig(_Section):

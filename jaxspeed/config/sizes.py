@@ -63,7 +63,10 @@ def resolve_batch(config: Config, dp_size: int) -> BatchSizes:
     """Checks the batch-size triple against the data-parallel size and fills in what is missing.
 
     Missing members are derived from the given ones; when two or three are missing, accumulation
-    defaults to 1 and then the micro batch to 1.
+    defaults to 1 and then the micro batch to 1. With pipeline parallelism (`mesh.pipe > 1`)
+    the pipeline's microbatches are the accumulation steps (as in DeepSpeed's pipeline
+    engine): `gradient_accumulation_steps` defaults to `pipeline.num_microbatches` and must
+    equal it when both are given.
 
     Args:
       config: the run config.
@@ -80,6 +83,15 @@ def resolve_batch(config: Config, dp_size: int) -> BatchSizes:
     total = config.train_batch_size
     micro = config.train_micro_batch_size_per_device
     accum = config.gradient_accumulation_steps
+    if config.mesh.pipe > 1:
+        stages_micro = config.pipeline.num_microbatches
+        if accum is not None and accum != stages_micro:
+            raise ConfigError(
+                f"gradient_accumulation_steps={accum} differs from pipeline.num_microbatches="
+                f"{stages_micro}; with mesh.pipe > 1 the pipeline's microbatches are the "
+                f"accumulation steps: leave gradient_accumulation_steps out or make them equal"
+            )
+        accum = stages_micro
     if total is None:
         micro, accum = micro or 1, accum or 1
         return BatchSizes(micro * accum * dp_size, micro, accum)

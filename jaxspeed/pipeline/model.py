@@ -10,6 +10,13 @@ partition that is a reshape of the same shards, so nothing moves.
 `n_layers // stages` or one more real layer, and the rest of its slots are gated-off copies
 (`x + 0 · (layer(x) − x)`, with zero parameters and a gradient that is dropped), so the stages
 stay one stacked shape.
+
+Inside the pipe-manual region, a loss that gathers from vocab-sharded logits with
+data-sharded labels (`lm_loss`), or the logits' own `(batch, length, vocab)` constraint,
+crashes XLA's SPMD partitioner on a pipe × data × tensor mesh (jax 0.10.2: "Check failed:
+partition_group_list.num_replica_groups() * ..."). So the head runs without the logical
+rules and its logits are constrained to rows over the data-parallel axes, vocab whole (one
+all-gather over `tensor` per microbatch), before the loss.
 """
 
 from __future__ import annotations
@@ -17,12 +24,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
+from jaxspeed.mesh import DATA_PARALLEL_AXES
+from jaxspeed.pipeline.schedules import check_schedule_args
 from jaxspeed.pipeline.spmd import spmd_pipeline
 
 PARTITIONS = ("uniform", "balanced")
@@ -107,9 +118,14 @@ def pipelined_lm_objective(
                 f"pipeline parallelism (mesh.pipe > 1) needs the reference GPT or a model with "
                 f"embed / layer_stack / logits methods; {type(model).__name__} has no {method!r}"
             )
-    stages = mesh.shape["pipe"] * (virtual_stages if schedule == "interleaved" else 1)
-    slots = layer_slots(model.n_layers, stages, partition)
+    virtual_stages = virtual_stages if schedule == "interleaved" else 1
+    try:
+        check_schedule_args(schedule, mesh.shape["pipe"], num_microbatches, virtual_stages)
+    except ValueError as err:
+        raise ConfigError(f"pipeline: {err}") from None
+    slots = layer_slots(model.n_layers, mesh.shape["pipe"] * virtual_stages, partition)
     layer = model.layer_stack(1)
+    rows_only = P(tuple(a for a in DATA_PARALLEL_AXES if a in mesh.axis_names))
 
     def run_layer(x, one):
         params, gate = one
@@ -122,7 +138,9 @@ def pipelined_lm_objective(
         return x
 
     def head_loss(head_params, y, extra):
-        logits = model.apply({"params": head_params}, y, method="logits")
+        with nn.logical_axis_rules(()):  # see the note above
+            logits = model.apply({"params": head_params}, y, method="logits")
+        logits = jax.lax.with_sharding_constraint(logits, rows_only)
         return loss_fn(logits, extra)
 
     def objective(params, batch):
@@ -133,7 +151,7 @@ def pipelined_lm_objective(
         extra = {k: v for k, v in batch.items() if k != "inputs"}
         return spmd_pipeline(
             stage_fn, staged, x, num_microbatches=num_microbatches, schedule=schedule,
-            mesh=mesh, virtual_stages=virtual_stages if schedule == "interleaved" else 1,
+            mesh=mesh, virtual_stages=virtual_stages,
             loss_fn=head_loss, loss_params=outer, loss_inputs=extra,
         )
 
