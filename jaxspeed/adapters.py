@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxspeed.errors import JaxspeedError
 from jaxspeed.losses import AUX_LOSS, total_aux_loss
+from jaxspeed.moe.layer import METRICS as MOE_METRICS
 from jaxspeed.tree_paths import key_names
 
 
@@ -42,8 +43,15 @@ class ModelFns(NamedTuple):
     initial_params: Any
 
 
-#: What `init` keeps: every collection but the sown auxiliary losses and intermediates.
-_INIT_COLLECTIONS = flax.core.DenyList((AUX_LOSS, "intermediates"))
+#: What `init` keeps: every collection but the sown auxiliary losses, metrics and intermediates.
+_INIT_COLLECTIONS = flax.core.DenyList((AUX_LOSS, MOE_METRICS, "intermediates"))
+
+
+def _rngs(rng: jax.Array, *, params: bool = False) -> dict[str, jax.Array]:
+    """The rng streams a Linen model gets: `params` (init only: the key itself), `gating`
+    (MoE noise and token order) and `dropout`."""
+    streams = {"gating": jax.random.fold_in(rng, 0), "dropout": jax.random.fold_in(rng, 1)}
+    return {"params": rng, **streams} if params else streams
 
 
 def _takes_deterministic(module: nn.Module) -> bool:
@@ -62,12 +70,12 @@ def linen_fns(module: nn.Module, sample_inputs) -> ModelFns:
     flag = _takes_deterministic(module)
 
     def init(rng):
-        variables = module.init(rng, sample_inputs, mutable=_INIT_COLLECTIONS)
+        variables = module.init(_rngs(rng, params=True), sample_inputs, mutable=_INIT_COLLECTIONS)
         _only_params(variables)
         return nn.unbox(variables["params"])
 
     def apply(params, inputs, rng, train):
-        rngs = {"gating": jax.random.fold_in(rng, 0), "dropout": jax.random.fold_in(rng, 1)}
+        rngs = _rngs(rng)
         kwargs = {"deterministic": not train} if flag else {}
         outputs, state = module.apply(
             {"params": params}, inputs, rngs=rngs, mutable=[AUX_LOSS], **kwargs
@@ -75,7 +83,8 @@ def linen_fns(module: nn.Module, sample_inputs) -> ModelFns:
         return outputs, total_aux_loss(state)
 
     boxed = jax.eval_shape(
-        lambda rng: module.init(rng, sample_inputs, mutable=_INIT_COLLECTIONS), jax.random.key(0)
+        lambda rng: module.init(_rngs(rng, params=True), sample_inputs, mutable=_INIT_COLLECTIONS),
+        jax.random.key(0),
     )
     _only_params(boxed)
     logical = nn.get_partition_spec(boxed)["params"]

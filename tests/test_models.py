@@ -177,10 +177,17 @@ def test_build_gpt_from_namespace():
     assert (model.d_model, model.norm, model.mlp, model.remat_policy) == (32, "layernorm", "swiglu", "full")
 
 
-def test_build_gpt_rejects_moe_for_now():
-    cfg = SimpleNamespace(**TINY, moe={"num_experts": 4})
-    with pytest.raises(ValueError, match="model.moe.*not supported yet"):
-        build_gpt(cfg)
+@pytest.mark.parametrize(
+    "moe, match",
+    [
+        ({"k": 2}, "expected a mapping with num_experts"),
+        ({"num_experts": 4, "top_k": 2}, "model.moe.top_k: unknown key"),
+        ({"num_experts": 4, "every_n_layers": 3}, "every_n_layers=3 must be a positive divisor"),
+    ],
+)
+def test_build_gpt_rejects_bad_moe_blocks(moe, match):
+    with pytest.raises(ValueError, match=match):
+        build_gpt(SimpleNamespace(**TINY, moe=moe))
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ when the engine hands it bf16/fp16 copies of fp32 master parameters.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 from typing import Any
@@ -27,6 +28,9 @@ from jaxspeed.attention.block_sparse import IMPLS as SPARSE_IMPLS
 from jaxspeed.attention.block_sparse import block_sparse_attention
 from jaxspeed.attention.sparsity import SparsityConfig, sparsity_config_from_dict
 from jaxspeed.errors import ConfigError
+from jaxspeed.losses import AUX_LOSS
+from jaxspeed.moe.layer import GATING_RNG, MoE
+from jaxspeed.moe.layer import METRICS as MOE_METRICS
 from jaxspeed.remat import POLICIES, checkpoint_policy
 
 Array = jax.Array
@@ -214,7 +218,11 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block; `(carry, None)` signature so it can be scanned over layers."""
+    """Pre-norm decoder block; `(carry, deterministic)` signature so it can be scanned.
+
+    With `moe` (keyword arguments of `jaxspeed.moe.MoE`) the feed-forward is a
+    mixture of experts, which records its aux loss for the engine.
+    """
 
     n_heads: int
     d_ff: int
@@ -226,9 +234,10 @@ class Block(nn.Module):
     dtype: Dtype | None = None
     sparse: SparsityConfig | None = None
     sparse_impl: str = "auto"
+    moe: tuple[tuple[str, Any], ...] | None = None
 
     @nn.compact
-    def __call__(self, x: Array, _: Any = None) -> tuple[Array, None]:
+    def __call__(self, x: Array, deterministic: bool = False) -> tuple[Array, None]:
         """`x: [batch, length, embed]` residual stream → (new residual stream, None)."""
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         h = Norm(self.norm, self.param_dtype, name="attn_norm")(x)
@@ -239,9 +248,27 @@ class Block(nn.Module):
         x = x + h.astype(x.dtype)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         h = Norm(self.norm, self.param_dtype, name="mlp_norm")(x)
-        h = Mlp(self.d_ff, self.mlp, self.out_std, self.param_dtype, self.dtype, name="mlp")(h)
+        if self.moe is None:
+            h = Mlp(self.d_ff, self.mlp, self.out_std, self.param_dtype, self.dtype, name="mlp")(h)
+        else:
+            moe = MoE(**dict(self.moe), param_dtype=self.param_dtype, dtype=self.dtype, name="moe")
+            h = moe(h, deterministic=deterministic)
         x = x + h.astype(x.dtype)
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
+
+
+class BlockGroup(nn.Module):
+    """`every` consecutive blocks, the last one with the MoE feed-forward: the scanned unit of
+    a MoE GPT (`model.moe.every_n_layers`), so the scan stays over identical units."""
+
+    every: int
+    block: dict[str, Any]
+
+    @nn.compact
+    def __call__(self, x: Array, deterministic: bool = False) -> tuple[Array, None]:
+        for i in range(self.every - 1):
+            x, _ = Block(**{**self.block, "moe": None}, name=f"dense_{i}")(x, deterministic)
+        return Block(**self.block, name="moe_block")(x, deterministic)
 
 
 class GPT(nn.Module):
@@ -274,6 +301,8 @@ class GPT(nn.Module):
     remat_names: tuple[str, ...] = ()
     sparse_attention: SparsityConfig | None = None
     sparse_impl: str = "auto"
+    moe: tuple[tuple[str, Any], ...] | None = None
+    moe_every: int = 1
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
 
@@ -298,6 +327,11 @@ class GPT(nn.Module):
                 f"model.positions='rotary' needs an even head dim; got d_model/n_heads="
                 f"{self.d_model // self.n_heads}"
             )
+        if self.moe is not None and (self.moe_every < 1 or self.n_layers % self.moe_every):
+            raise ConfigError(
+                f"model.moe.every_n_layers={self.moe_every} must be a positive divisor of "
+                f"model.n_layers={self.n_layers} (the layers are scanned in groups of that many)"
+            )
         sparse = self.sparse_attention
         if sparse is not None and sparse.num_heads != self.n_heads:
             raise ConfigError(
@@ -306,26 +340,18 @@ class GPT(nn.Module):
             )
         super().__post_init__()
 
-    def layer_stack(self, num_layers: int) -> nn.Module:
-        """`num_layers` decoder blocks scanned as one module, `(x, None) -> (x, None)`.
+    @property
+    def num_units(self) -> int:
+        """Scanned units: layers, or groups of `moe_every` layers in a MoE model."""
+        return self.n_layers if self.moe is None else self.n_layers // self.moe_every
 
-        Called outside a module it is unbound: `stack.apply({"params": p}, x, None)` with
-        `p` a `[num_layers, ...]` slice of `params["layers"]` runs those layers.
+    def layer_stack(self, num_units: int) -> nn.Module:
+        """`num_units` scanned units (see `num_units`), `(x, deterministic) -> (x, None)`.
+
+        Called outside a module it is unbound: `stack.apply({"params": p}, x, False)` with
+        `p` a `[num_units, ...]` slice of `params["layers"]` runs those layers.
         """
-        block_cls = Block
-        if self.remat_policy != "none":
-            policy = checkpoint_policy(
-                self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES
-            )
-            block_cls = nn.remat(block_cls, policy=policy, prevent_cse=False)
-        scanned = nn.scan(
-            block_cls,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=num_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        return scanned(
+        block = dict(
             n_heads=self.n_heads,
             d_ff=self.d_ff,
             norm=self.norm,
@@ -336,8 +362,26 @@ class GPT(nn.Module):
             dtype=self.dtype,
             sparse=self.sparse_attention,
             sparse_impl=self.sparse_impl,
-            parent=self if self.scope is not None else None,  # unbound: a standalone module
+            moe=self.moe,
         )
+        unit_cls, kwargs = Block, block
+        if self.moe is not None:
+            unit_cls, kwargs = BlockGroup, {"every": self.moe_every, "block": block}
+        if self.remat_policy != "none":
+            policy = checkpoint_policy(
+                self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES
+            )
+            unit_cls = nn.remat(unit_cls, policy=policy, prevent_cse=False, static_argnums=(2,))
+        scanned = nn.scan(
+            unit_cls,
+            variable_axes={"params": 0, AUX_LOSS: 0, MOE_METRICS: 0},
+            split_rngs={"params": True, GATING_RNG: True},
+            in_axes=nn.broadcast,
+            length=num_units,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        parent = self if self.scope is not None else None  # unbound: a standalone module
+        return scanned(**kwargs, parent=parent)
 
     def setup(self) -> None:
         self.embedding = _logical_param(
@@ -348,7 +392,7 @@ class GPT(nn.Module):
                 self, "pos_embedding", ("length", "embed"), (self.max_seq_len, self.d_model),
                 std=_INIT_STD,
             )
-        self.layers = self.layer_stack(self.n_layers)
+        self.layers = self.layer_stack(self.num_units)
         self.final_norm = Norm(self.norm, self.param_dtype)
         if not self.tie_embeddings:
             self.head = _logical_param(
@@ -384,16 +428,17 @@ class GPT(nn.Module):
         logits = logits.astype(jnp.float32)
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
-    def __call__(self, tokens: Array) -> Array:
+    def __call__(self, tokens: Array, deterministic: bool = False) -> Array:
         """Next-token logits.
 
         Args:
           tokens: int `[batch, length]`, length ≤ max_seq_len, values in [0, vocab_size).
+          deterministic: evaluation mode (MoE: eval capacity, no gate noise / random order).
 
         Returns:
           float32 logits `[batch, length, vocab]`.
         """
-        x, _ = self.layers(self.embed(tokens), None)
+        x, _ = self.layers(self.embed(tokens), deterministic)
         return self.logits(x)
 
 
@@ -420,13 +465,51 @@ def _sparse_options(model_cfg: Any) -> dict[str, Any]:
     return {"sparse_attention": config, "sparse_impl": impl}
 
 
+#: `model.moe` keys besides `every_n_layers`: the `jaxspeed.moe.MoE` options a config may set.
+MOE_KEYS = (
+    "num_experts", "k", "d_ff", "capacity_factor", "eval_capacity_factor", "min_capacity",
+    "noisy_gate_policy", "drop_tokens", "use_rts", "use_residual", "num_shared_experts",
+    "activation", "aux_loss_coef", "z_loss_coef", "gate_noise", "bpr", "normalize_gate",
+    "impl", "num_groups",
+)
+
+
+def _moe_options(model_cfg: Any) -> dict[str, Any]:
+    """`model.moe: {num_experts, k, every_n_layers, ...}` → the `GPT` MoE attributes.
+
+    The experts' hidden size defaults to `model.d_ff` and their activation to `model.mlp`.
+    """
+    block = getattr(model_cfg, "moe", None)
+    if block is None:
+        return {}
+    if not isinstance(block, dict) or "num_experts" not in block:
+        raise ConfigError(
+            f"model.moe: expected a mapping with num_experts, e.g. {{num_experts: 8, k: 2}}, "
+            f"got {block!r}"
+        )
+    options = dict(block)
+    every = options.pop("every_n_layers", 1)
+    for key in options:
+        if key not in MOE_KEYS:
+            close = difflib.get_close_matches(str(key), MOE_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"model.moe.{key}: unknown key{hint}; accepted keys are "
+                f"{['every_n_layers', *MOE_KEYS]}"
+            )
+    options.setdefault("d_ff", getattr(model_cfg, "d_ff", GPT.d_ff))
+    options.setdefault("activation", getattr(model_cfg, "mlp", GPT.mlp))
+    return {"moe": tuple(sorted(options.items())), "moe_every": every}
+
+
 def build_gpt(model_cfg: Any, *, remat_policy: str = "none", remat_names=()) -> GPT:
     """Builds a `GPT` from a model config (any object with the `model:` attributes).
 
     Args:
       model_cfg: e.g. `jaxspeed.config.ModelConfig`; missing attributes take `GPT`'s defaults.
         `sparse_attention` is DeepSpeed's block (`mode` and that mode's keys) plus `impl`
-        (`auto` | `pallas` | `xla`).
+        (`auto` | `pallas` | `xla`); `moe` holds `every_n_layers` (default 1: every layer)
+        and `MOE_KEYS`.
       remat_policy: activation-checkpointing policy name (see `GPT`).
       remat_names: `checkpoint_name` tags saved with policy "names".
 
@@ -434,17 +517,15 @@ def build_gpt(model_cfg: Any, *, remat_policy: str = "none", remat_names=()) -> 
       The (unbound) `GPT` module.
 
     Raises:
-      ValueError: for an unsupported model type, MoE, or a bad value.
+      ValueError: for an unsupported model type or a bad value.
     """
     model_type = getattr(model_cfg, "type", "gpt")
     if model_type != "gpt":
         raise ConfigError(f"model.type: got {model_type!r}; accepted values are ['gpt']")
-    if getattr(model_cfg, "moe", None) is not None:
-        raise ConfigError("model.moe: not supported yet by the reference GPT; set it to null")
     kwargs = {key: getattr(model_cfg, key) for key in _GPT_FIELDS if hasattr(model_cfg, key)}
     return GPT(
-        **kwargs, **_sparse_options(model_cfg), remat_policy=remat_policy,
-        remat_names=tuple(remat_names),
+        **kwargs, **_sparse_options(model_cfg), **_moe_options(model_cfg),
+        remat_policy=remat_policy, remat_names=tuple(remat_names),
     )
 
 

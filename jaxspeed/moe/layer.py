@@ -23,12 +23,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.errors import ConfigError
+from jaxspeed.losses import AUX_LOSS  # one already-scaled scalar per MoE call, under "moe"
 from jaxspeed.moe.experts import ACTIVATIONS, ExpertParams, expert_ffn
 from jaxspeed.moe.gating import NOISY_GATE_POLICIES
 from jaxspeed.moe.parallel import GatingOptions, moe_ffn
 
-#: Flax collection of the aux losses (one already-scaled scalar per MoE call, under "moe").
-AUX_LOSS = "aux_loss"
 #: Flax collection of routing metrics: "dropped_fraction", "expert_counts", "balance_loss".
 METRICS = "moe_metrics"
 #: The rng stream for noisy gates and random token selection.

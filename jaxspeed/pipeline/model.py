@@ -123,13 +123,13 @@ def pipelined_lm_objective(
         check_schedule_args(schedule, mesh.shape["pipe"], num_microbatches, virtual_stages)
     except ValueError as err:
         raise ConfigError(f"pipeline: {err}") from None
-    slots = layer_slots(model.n_layers, mesh.shape["pipe"] * virtual_stages, partition)
+    slots = layer_slots(model.num_units, mesh.shape["pipe"] * virtual_stages, partition)
     layer = model.layer_stack(1)
     rows_only = P(tuple(a for a in DATA_PARALLEL_AXES if a in mesh.axis_names))
 
     def run_layer(x, one):
         params, gate = one
-        y, _ = layer.apply({"params": jax.tree.map(lambda a: a[None], params)}, x, None)
+        y, _ = layer.apply({"params": jax.tree.map(lambda a: a[None], params)}, x, False)
         return (y if gate is None else x + gate.astype(x.dtype) * (y - x)), None
 
     def stage_fn(staged, x):
