@@ -53,9 +53,14 @@ def single_device_run(steps=5):
     return train(engine, engine.init(jax.random.key(0)), steps)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_3d_training_equals_one_device(stage):
-    engine = js.initialize(config(*THREE_D, f"zero_optimization.stage={stage}"))
+@pytest.mark.parametrize(
+    "stage, schedule",
+    [(1, "1f1b"), (3, "1f1b"), pytest.param(2, "interleaved", marks=pytest.mark.slow)],
+)
+def test_3d_training_equals_one_device(stage, schedule):
+    engine = js.initialize(
+        config(*THREE_D, f"zero_optimization.stage={stage}", f"pipeline.schedule={schedule}")
+    )
     assert engine.batch_sizes.accumulation_steps == MICRO
     layer_spec = engine.plan.params["layers"]["attn"]["query"].spec
     assert layer_spec[0] == "pipe" and "tensor" in layer_spec
