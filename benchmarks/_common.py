@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -105,3 +107,18 @@ def _cell(value: Any) -> str:
 def mib(n: float) -> float:
     """Bytes → MiB."""
     return n / 2**20
+
+
+def timed(fn, args, *, iters: int, rounds: int) -> float:
+    """Median over `rounds` of the mean time of `iters` back-to-back calls, in ms."""
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - start) / iters)
+    return statistics.median(per_call) * 1e3

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
-import time
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -61,21 +59,6 @@ CPU_CHECK = {
 HBM_TBPS = (("H200", 4.8), ("H100", 3.35), ("A100", 2.0))
 DEFAULT_HBM_TBPS = 4.8
 TARGET_FRACTION = 0.7
-
-
-def timed(fn, args, *, iters: int, rounds: int) -> float:
-    """Median over `rounds` of the mean time of `iters` back-to-back calls, in ms."""
-    import jax
-
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    per_call = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - start) / iters)
-    return statistics.median(per_call) * 1e3
 
 
 def layer_steps(case: dict):
@@ -141,7 +124,7 @@ def run_layer(case: dict, num_experts: int, hidden: int, steps: Steps, *, iters:
         try:
             compiled = steps.get(name, args)
             row["bytes"][name] = moe_layer.step_bytes(compiled)
-            row["ms"][name] = timed(compiled, args, iters=iters, rounds=rounds)
+            row["ms"][name] = _common.timed(compiled, args, iters=iters, rounds=rounds)
         except Exception as err:  # e.g. out of memory for the one-hot tensors
             row.setdefault("errors", {})[name] = f"{type(err).__name__}: {str(err)[:200]}"
     routing = jax.jit(lambda x, g: moe_layer.route(
@@ -207,12 +190,12 @@ def run_bandwidth(case: dict, *, peak_tbps: float, iters: int, rounds: int,
         }
         row = {"impl": f"pallas {block_rows}x{block_cols}"}
         for op, (fn, args) in fns.items():
-            row[op] = timed(fn, args, iters=iters, rounds=rounds)
+            row[op] = _common.timed(fn, args, iters=iters, rounds=rounds)
         rows.append(row)
     xla = {"impl": "xla gather",
-           "dispatch": timed(jax.jit(lambda x, r: dispatch(x, r, num_experts, impl="xla")),
+           "dispatch": _common.timed(jax.jit(lambda x, r: dispatch(x, r, num_experts, impl="xla")),
                              (x, routing), iters=iters, rounds=rounds),
-           "combine": timed(jax.jit(lambda y, r: combine(y, r, impl="xla")), (y, routing),
+           "combine": _common.timed(jax.jit(lambda y, r: combine(y, r, impl="xla")), (y, routing),
                             iters=iters, rounds=rounds)}
     rows.append(xla)
     for row in rows:

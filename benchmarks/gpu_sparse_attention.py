@@ -19,9 +19,7 @@ ratio = baseline time / kernel time (target >= 3 at ~10% density).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -62,21 +60,6 @@ def fixed_layout(seq: int, *, block: int, num_local_blocks: int):
     config = FixedSparsityConfig(num_heads=1, block=block, num_local_blocks=num_local_blocks,
                                  attention="unidirectional")
     return config.make_layout(seq)
-
-
-def timed(fn, args, *, iters: int, rounds: int) -> float:
-    """Median over `rounds` of the mean time of `iters` back-to-back calls, in ms."""
-    import jax
-
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    per_call = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - start) / iters)
-    return statistics.median(per_call) * 1e3
 
 
 def attention_fns(layout, *, interpret):
@@ -147,13 +130,13 @@ def run_seq(case: dict, seq: int, *, interpret) -> dict:
     fns = attention_fns(layout, interpret=interpret)
     row = {"seq": seq, "density": density, "nnz_blocks": nnz}
     timing = dict(iters=case["iters"], rounds=case["rounds"])
-    row["sparse_fwd_ms"] = timed(fns["sparse"][0], (q, k, v), **timing)
-    row["sparse_ms"] = timed(fns["sparse"][1], (q, k, v, do), **timing)
+    row["sparse_fwd_ms"] = _common.timed(fns["sparse"][0], (q, k, v), **timing)
+    row["sparse_ms"] = _common.timed(fns["sparse"][1], (q, k, v, do), **timing)
     row["baseline"] = None
     for impl in ("cudnn", "xla"):
         try:
-            row["dense_fwd_ms"] = timed(fns[impl][0], (q, k, v), **timing)
-            row["dense_ms"] = timed(fns[impl][1], (q, k, v, do), **timing)
+            row["dense_fwd_ms"] = _common.timed(fns[impl][0], (q, k, v), **timing)
+            row["dense_ms"] = _common.timed(fns[impl][1], (q, k, v, do), **timing)
         except Exception as err:  # cuDNN absent (CPU), or out of memory at long sequences
             row.setdefault("dense_errors", {})[impl] = f"{type(err).__name__}: {str(err)[:200]}"
             continue
