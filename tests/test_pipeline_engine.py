@@ -113,3 +113,13 @@ def test_balanced_partition_trains_uneven_layers():
     engine = js.initialize(config(*THREE_D, "model.n_layers=3", "pipeline.partition=balanced"))
     _, losses = train(engine, engine.init(jax.random.key(0)), 2)
     assert np.isfinite(losses).all()
+
+
+def test_gpt_3d_config_builds_a_3d_engine():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "configs" / "gpt_3d.yaml"
+    engine = js.initialize(js.load_config(path))
+    assert dict(engine.mesh.shape) == {"pipe": 2, "data": 2, "expert": 1, "tensor": 2}
+    assert engine.config.zero_optimization.stage == 3
+    assert engine.batch_sizes.accumulation_steps == engine.config.pipeline.num_microbatches
