@@ -43,7 +43,9 @@ def test_before_the_freeze_it_is_adam():
     onebit = js.initialize(config(*ONEBIT, "optimizer.params={lr: 0.01, freeze_step: 100}"))
     got, losses = run(onebit, onebit.init(jax.random.key(0)), 0, 4)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
-    chex.assert_trees_all_close(got.params, want.params, rtol=1e-6, atol=1e-6)
+    # Two different programs (shard_map step vs jit step) round differently: one element of
+    # 2048 differed by 1.08e-6 after 4 steps at lr 0.01.
+    chex.assert_trees_all_close(got.params, want.params, rtol=1e-6, atol=2e-6)
 
 
 def test_after_the_freeze_only_compressed_bytes_move():
