@@ -3,16 +3,15 @@
 The tests compile hundreds of small programs, and on CPU compiling is most of their time, so
 XLA's backend optimizations and fusion emitters are off (about 3x faster, measured on
 tests/test_pipeline_engine.py: 117 s against 411 s). SPMD partitioning, and so every sharding
-and collective, is unaffected. Tests that assert compiled memory sizes compile with the
-default optimizations (`OPTIMIZED` below); subprocesses (examples, benchmarks, the CLI)
-inherit these flags.
+and collective, is unaffected, and the tests that compare compiled memory sizes (remat,
+pipeline schedules, offload, fit) hold at this level too. Subprocesses (examples,
+benchmarks, the CLI) inherit these flags.
 """
 
 import os
 
-#: XLA flags that make compiling fast; `OPTIMIZED` restores the defaults for one compile.
+#: XLA flags that make compiling fast.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-OPTIMIZED = {"xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True}
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
