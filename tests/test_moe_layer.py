@@ -194,3 +194,28 @@ def test_missing_gating_rng_raises(kwargs, match):
     # deterministic needs no rng; with one, training traces
     init_shapes(module, x)
     jax.eval_shape(module.init, {"params": jax.random.key(0), "gating": jax.random.key(1)}, x)
+
+
+@pytest.mark.parametrize("cap_factor, want", [(4.0, "dropless"), (1.0, "fixed")])
+def test_dynamic_capacity_matches_its_bucket(cap_factor, want):
+    """k=1, 16 tokens per group, 4 experts. Cap 16 (buckets 8, 16): the busiest expert fits,
+    so nothing drops and it equals dropless. Cap 4 (one bucket): it equals the fixed capacity."""
+    common = dict(num_experts=4, d_ff=8, k=1, use_rts=False, num_groups=2)
+    dynamic = MoE(capacity_factor=cap_factor, dynamic_capacity=True, **common)
+    other = MoE(drop_tokens=False, **common) if want == "dropless" else MoE(
+        capacity_factor=cap_factor, **common)
+    x = tokens()
+    params = random_params(dynamic, x)
+    step = lambda m, p: jax.value_and_grad(  # noqa: E731
+        functools.partial(layer_loss, m), argnums=(0, 1), has_aux=True)(p, x)
+    both = fast_jit(lambda p: (step(dynamic, p), step(other, p)))
+    ((_, (y_a, aux_a, metrics_a)), grads_a), ((_, (y_b, aux_b, metrics_b)), grads_b) = both(params)
+    if want == "dropless":
+        assert float(metrics_a["dropped_fraction"][0]) == 0.0
+        assert "conditional" in both.lower(params).compile().as_text()  # one branch per bucket
+    else:
+        assert float(metrics_a["dropped_fraction"][0]) > 0.0
+        chex.assert_trees_all_close(metrics_a["dropped_fraction"], metrics_b["dropped_fraction"])
+    chex.assert_trees_all_close(y_a, y_b, **TOL)
+    chex.assert_trees_all_close(aux_a, aux_b, **TOL)
+    chex.assert_trees_all_close(grads_a, grads_b, **TOL)

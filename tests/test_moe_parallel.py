@@ -143,3 +143,16 @@ def test_num_groups_must_be_a_multiple_of_data_parallel_size():
     with jax.set_mesh(make_mesh({"data": 8})):
         with pytest.raises(ConfigError, match="num_groups=4"):
             abstract(module)
+
+
+def test_dynamic_capacity_under_expert_parallelism_equals_single_device():
+    """Every device picks the same bucket (a pmax of the busiest expert), so expert=8 gives
+    the single-device result (8 tokens per group, cap 16: buckets 8 and 16)."""
+    options = {**OPTIONS, "capacity_factor": 8.0, "dynamic_capacity": True}
+    single = MoE(num_groups=8, **options)
+    params = numpy_params(single)
+    want, _ = run(single, jax.tree.map(jnp.asarray, params), f32(X))
+    with jax.set_mesh(make_mesh({"expert": 8})):
+        got, text = run(MoE(**options), params, f32(X))
+    assert "all_to_all" in text and "stablehlo.case" in text
+    chex.assert_trees_all_close(got, want, **TOL)

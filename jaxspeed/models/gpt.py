@@ -467,7 +467,8 @@ def _sparse_options(model_cfg: Any) -> dict[str, Any]:
 
 #: `model.moe` keys besides `every_n_layers`: the `jaxspeed.moe.MoE` options a config may set.
 MOE_KEYS = (
-    "num_experts", "k", "d_ff", "capacity_factor", "eval_capacity_factor", "min_capacity",
+    "num_experts", "k", "d_ff", "capacity_factor", "dynamic_capacity", "eval_capacity_factor",
+    "min_capacity",
     "noisy_gate_policy", "drop_tokens", "use_rts", "use_residual", "num_shared_experts",
     "activation", "aux_loss_coef", "z_loss_coef", "gate_noise", "bpr", "normalize_gate",
     "impl", "num_groups",

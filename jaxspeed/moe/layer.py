@@ -60,8 +60,15 @@ class MoE(nn.Module):
       d_ff: hidden size `H` of each expert (and of the residual / each shared FFN).
       k: choices per token.
       capacity_factor: training capacity `max(ceil(k * cf * Tg / E), min_capacity)` per
-        group of `Tg` tokens; must be > 0 with `drop_tokens` (dynamic capacity is not
-        offered by this layer).
+        group of `Tg` tokens; must be > 0 with `drop_tokens`. With `dynamic_capacity` it is
+        the cap.
+      dynamic_capacity: Tutel's dynamic capacity (its negative `capacity_factor`), as an
+        explicit switch: while training, each step uses the smallest of up to 4 static
+        capacities (the cap, cap/2, cap/4, cap/8, rounded up to 8) that holds the busiest
+        expert of every group, so nothing is dropped below the cap and the buffers and
+        expert FLOPs follow the load. Cost: one compiled branch per capacity (`lax.switch`;
+        compile time and program size grow about 4x for the expert part) and a second gating
+        pass; under expert parallelism, one scalar `pmax` so all devices pick the same one.
       eval_capacity_factor: the factor with `deterministic=True`.
       min_capacity: lower bound of the capacity.
       noisy_gate_policy: None, "Jitter" or "RSample" (DeepSpeed).
@@ -93,6 +100,7 @@ class MoE(nn.Module):
     d_ff: int
     k: int = 1
     capacity_factor: float = 1.0
+    dynamic_capacity: bool = False
     eval_capacity_factor: float = 1.0
     min_capacity: int = 4
     noisy_gate_policy: str | None = None
@@ -203,7 +211,8 @@ class MoE(nn.Module):
             else self.noisy_gate_policy,
             drop_tokens=self.drop_tokens, use_rts=self.use_rts, gate_noise=self.gate_noise,
             bpr=self.bpr, normalize_gate=self.normalize_gate, z_loss_coef=self.z_loss_coef,
-            activation=self.activation, impl=self.impl, eval_mode=deterministic)
+            activation=self.activation, impl=self.impl, eval_mode=deterministic,
+            dynamic_capacity=self.dynamic_capacity)
         out = moe_ffn(h, gate_kernel, experts, opts=opts, num_groups=self.num_groups,
                       rng=self._gating_rng(opts), expert_axis=self.expert_axis)
         y = out.y.astype(jnp.float32)

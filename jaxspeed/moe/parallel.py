@@ -23,6 +23,7 @@ are summed over devices by `shard_map`'s transpose (the implicit `pvary` becomes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -34,7 +35,13 @@ from jax.sharding import PartitionSpec as P
 from jaxspeed.errors import ConfigError
 from jaxspeed.mesh import DATA
 from jaxspeed.moe.dispatch import combine, dispatch
-from jaxspeed.moe.experts import ExpertParams, dropless_ffn, expert_ffn
+from jaxspeed.moe.experts import (
+    ExpertParams,
+    capacity_buckets,
+    dropless_ffn,
+    expert_ffn,
+    switch_on_capacity,
+)
 from jaxspeed.moe.gating import Routing, gate_logits, top_k_gating
 
 #: `fold_in` stream of DeepSpeed's `Jitter` (gating.py uses streams 0-2 for the rest).
@@ -60,6 +67,7 @@ class GatingOptions:
     activation: str = "gelu"
     impl: str = "auto"
     eval_mode: bool = False
+    dynamic_capacity: bool = False
 
     @property
     def needs_rng(self) -> bool:
@@ -115,7 +123,8 @@ def default_num_groups(expert_axis: str = "expert") -> int:
     return math.prod(data_parallel_axes(expert_axis).values())
 
 
-def _route(x, gate_kernel, rng, group_ids, opts: GatingOptions) -> Routing:
+def _route(x, gate_kernel, rng, group_ids, opts: GatingOptions,
+           capacity: int | None = None) -> Routing:
     """Gates each group of `x [G_l, Tg, M]`; group `g` draws from `fold_in(rng, g)`."""
     use_rts = opts.use_rts and opts.drop_tokens
 
@@ -129,7 +138,7 @@ def _route(x, gate_kernel, rng, group_ids, opts: GatingOptions) -> Routing:
             drop_tokens=opts.drop_tokens, eval_mode=opts.eval_mode,
             eval_capacity_factor=opts.eval_capacity_factor, normalize_gate=opts.normalize_gate,
             noisy_gate_policy=opts.noisy_gate_policy, rng=key, gate_noise=opts.gate_noise,
-            use_rts=use_rts, bpr=opts.bpr, z_loss_coef=opts.z_loss_coef)
+            use_rts=use_rts, bpr=opts.bpr, z_loss_coef=opts.z_loss_coef, capacity=capacity)
 
     return jax.vmap(one)(x, group_ids)
 
@@ -144,31 +153,64 @@ def _flat_routing(routing: Routing, num_experts: int) -> Routing:
         weight=routing.weight.reshape(groups * tokens, k))
 
 
-def _local_moe(x, gate_kernel, experts: ExpertParams, rng, *, opts: GatingOptions,
-               group_offset, expert_axis: str | None, ep: int) -> MoEOutput:
-    """The MoE on this device's groups `x [G_l, Tg, M]`; all-to-all over `expert_axis` if ep > 1."""
+def _experts_via_buffers(x, routing: Routing, experts: ExpertParams, *, opts: GatingOptions,
+                         expert_axis: str | None, ep: int):
+    """Dispatch to `[E, G_l*C, M]`, all-to-all to the experts' owners, FFN, back, combine."""
     groups, tokens, width = x.shape
     num_experts = opts.num_experts
+    flat = _flat_routing(routing, num_experts)
+    capacity = flat.capacity
+    buf = dispatch(x.reshape(groups * tokens, width), flat, groups * num_experts,
+                   impl=opts.impl)  # [G_l*E, C, M]
+    buf = buf.reshape(groups, num_experts, capacity, width).transpose(1, 0, 2, 3)
+    buf = buf.reshape(num_experts, groups * capacity, width)
+    if ep > 1:
+        buf = jax.lax.all_to_all(buf, expert_axis, 0, 1, tiled=True)
+    out = expert_ffn(buf, experts, activation=opts.activation)
+    if ep > 1:
+        out = jax.lax.all_to_all(out, expert_axis, 1, 0, tiled=True)
+    out = out.reshape(num_experts, groups, capacity, width).transpose(1, 0, 2, 3)
+    return combine(out.reshape(groups * num_experts, capacity, width), flat, impl=opts.impl)
+
+
+def _local_moe(x, gate_kernel, experts: ExpertParams, rng, *, opts: GatingOptions,
+               group_offset, expert_axis: str | None, ep: int,
+               sync_axes: tuple[str, ...] = ()) -> MoEOutput:
+    """The MoE on this device's groups `x [G_l, Tg, M]`; all-to-all over `expert_axis` if ep > 1.
+
+    With `opts.dynamic_capacity` (training), the capacity is the smallest of a few static
+    buckets (`capacity_buckets`, capped by `capacity_factor`) that holds the busiest expert of
+    every group on every device (`pmax` over `sync_axes`), picked at run time with
+    `lax.switch`: one compiled branch per bucket, so the buffers and expert FLOPs follow the
+    load instead of the cap.
+    """
+    groups, tokens, width = x.shape
     group_ids = group_offset + jnp.arange(groups, dtype=jnp.int32)
     routing = _route(x, gate_kernel, rng, group_ids, opts)
-    flat_x = x.reshape(groups * tokens, width)
+    run = functools.partial(_experts_via_buffers, experts=experts, opts=opts,
+                            expert_axis=expert_axis, ep=ep)
     if not opts.drop_tokens and ep == 1:
-        y = dropless_ffn(flat_x, routing.expert_index.reshape(groups * tokens, -1),
+        y = dropless_ffn(x.reshape(groups * tokens, width),
+                         routing.expert_index.reshape(groups * tokens, -1),
                          routing.weight.reshape(groups * tokens, -1), experts,
                          activation=opts.activation)
+    elif opts.dynamic_capacity and opts.drop_tokens and not opts.eval_mode:
+        buckets = capacity_buckets(tokens, opts.num_experts, k=opts.k,
+                                   capacity_factor=-opts.capacity_factor,
+                                   min_capacity=opts.min_capacity)
+        busiest = jnp.max(routing.expert_counts)
+        if sync_axes:
+            busiest = jax.lax.pmax(busiest, sync_axes)
+
+        def at_capacity(x, capacity):
+            routed = _route(x, gate_kernel, rng, group_ids, opts, capacity=capacity)
+            return run(x, routed), routed.dropped_fraction
+
+        # Counts, aux and z-loss do not depend on the capacity; the drops do.
+        y, dropped = switch_on_capacity(at_capacity, busiest[None], buckets, x)
+        routing = routing._replace(dropped_fraction=dropped)
     else:
-        flat = _flat_routing(routing, num_experts)
-        capacity = flat.capacity
-        buf = dispatch(flat_x, flat, groups * num_experts, impl=opts.impl)  # [G_l*E, C, M]
-        buf = buf.reshape(groups, num_experts, capacity, width).transpose(1, 0, 2, 3)
-        buf = buf.reshape(num_experts, groups * capacity, width)
-        if ep > 1:
-            buf = jax.lax.all_to_all(buf, expert_axis, 0, 1, tiled=True)
-        out = expert_ffn(buf, experts, activation=opts.activation)
-        if ep > 1:
-            out = jax.lax.all_to_all(out, expert_axis, 1, 0, tiled=True)
-        out = out.reshape(num_experts, groups, capacity, width).transpose(1, 0, 2, 3)
-        y = combine(out.reshape(groups * num_experts, capacity, width), flat, impl=opts.impl)
+        y = run(x, routing)
     return MoEOutput(y, routing.aux_loss, routing.z_loss, routing.expert_counts,
                      routing.dropped_fraction)
 
@@ -224,7 +266,7 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
     def body(xl, kernel, local_experts, key):
         offset = jax.lax.axis_index(axes) * local_groups
         return _local_moe(xl, kernel, local_experts, key, opts=opts, group_offset=offset,
-                          expert_axis=expert_axis, ep=ep)
+                          expert_axis=expert_axis, ep=ep, sync_axes=axes)
 
     expert_spec = P(expert_axis) if expert_axis in dp else P()
     key_spec = None if rng is None else P()
