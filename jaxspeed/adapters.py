@@ -17,7 +17,6 @@ from flax import nnx
 
 from jaxspeed.errors import JaxspeedError
 from jaxspeed.losses import AUX_LOSS, total_aux_loss
-from jaxspeed.moe.layer import METRICS as MOE_METRICS
 from jaxspeed.tree_paths import key_names
 
 
@@ -43,8 +42,8 @@ class ModelFns(NamedTuple):
     initial_params: Any
 
 
-#: What `init` keeps: every collection but the sown auxiliary losses, metrics and intermediates.
-_INIT_COLLECTIONS = flax.core.DenyList((AUX_LOSS, MOE_METRICS, "intermediates"))
+#: What `init` keeps: every collection but the sown auxiliary losses and intermediates.
+_INIT_COLLECTIONS = flax.core.DenyList((AUX_LOSS, "intermediates"))
 
 
 def _rngs(rng: jax.Array, *, params: bool = False) -> dict[str, jax.Array]:

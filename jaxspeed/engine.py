@@ -363,6 +363,11 @@ def initialize(
         config = load_config(config)
     _check_supported(config)
     mesh = mesh if mesh is not None else make_mesh(config.mesh)
+    if mesh.shape.get(PIPE, 1) != config.mesh.pipe:  # the batch triple follows the config
+        raise ConfigError(
+            f"the mesh has {PIPE}={mesh.shape.get(PIPE, 1)} but the config has "
+            f"mesh.pipe={config.mesh.pipe}; make them agree"
+        )
     batch = resolve_batch(config, data_parallel_size(mesh))
     if model is None:
         from jaxspeed.models import build_gpt

@@ -4,6 +4,9 @@ The CLI prints these as one readable message and exits non-zero; anything else i
 keeps its traceback.
 """
 
+import difflib
+from collections.abc import Sequence
+
 
 class JaxspeedError(Exception):
     """Base class for errors caused by user input (config, flags, data paths)."""
@@ -11,3 +14,9 @@ class JaxspeedError(Exception):
 
 class ConfigError(JaxspeedError, ValueError):
     """A config value is missing, malformed or inconsistent. The message names the key path."""
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """`" (did you mean 'x'?)"` for the closest of `choices`, or `""` when none is close."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

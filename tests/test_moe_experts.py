@@ -24,9 +24,6 @@ def f32(a):
     return jnp.asarray(np.asarray(a, np.float32))
 
 
-fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
-
-
 def params_for(seed, num_experts, d_model, d_hidden, activation, *, bias=False):
     """Random `ExpertParams` from numpy (no eager PRNG compiles), non-zero biases if `bias`."""
     rng = np.random.default_rng(seed)
@@ -60,7 +57,7 @@ def numpy_expert(x, e, p: ExpertParams, activation):
 def test_expert_ffn_matches_per_expert_loop(activation, bias):
     p = params_for(0, 4, 8, 16, activation, bias=bias)
     x = np.random.default_rng(0).normal(size=(4, 5, 8))
-    ffn = fast_jit(functools.partial(expert_ffn, activation=activation))
+    ffn = jax.jit(functools.partial(expert_ffn, activation=activation))
     got = ffn(f32(x), p)
     want = np.stack([numpy_expert(x[e], e, p, activation) for e in range(4)])
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
@@ -81,10 +78,10 @@ def test_dropless_equals_large_capacity_path_with_gradients(k, activation):
     logits = f32(rng.normal(size=(tokens, num_experts)) * 3)
     ct = f32(rng.normal(size=(tokens, d_model)))
 
-    routing = fast_jit(lambda l: top_k_gating(l, k, drop_tokens=False))(logits)
+    routing = jax.jit(lambda l: top_k_gating(l, k, drop_tokens=False))(logits)
     assert routing.capacity == tokens and float(routing.dropped_fraction) == 0.0
 
-    @fast_jit
+    @jax.jit
     def both(x, p, weight):
         # The gradient in the combine weights is what carries the gate's gradient.
         def value_and_grads(fn):
@@ -124,7 +121,7 @@ def test_dropless_gradients_match_plain_reference():
 
     ct = f32(rng.normal(size=(tokens, d_model)))
 
-    @fast_jit
+    @jax.jit
     def grads(x, p, w):
         got = jax.vjp(lambda *a: dropless_ffn(*a[:1], e, a[2], a[1], "gelu"), x, p, w)
         want = jax.vjp(reference, x, p, w)
@@ -162,7 +159,7 @@ def test_switch_on_capacity_runs_the_chosen_bucket():
         r = top_k_gating(logits, 1, capacity=capacity)
         return moe_capacity_path(x, r, p, "relu"), r.dropped_fraction
 
-    @fast_jit
+    @jax.jit
     def dynamic(x, logits):
         counts = top_k_gating(logits, 1, 1.0).expert_counts
         return switch_on_capacity(layer, counts, buckets, x, logits), counts
@@ -170,7 +167,7 @@ def test_switch_on_capacity_runs_the_chosen_bucket():
     (out, dropped), counts = dynamic(x, logits)
     busiest = int(np.max(counts))
     chosen = min([b for b in buckets if b >= busiest], default=buckets[-1])
-    want_out, want_dropped = fast_jit(functools.partial(layer, capacity=chosen))(x, logits)
+    want_out, want_dropped = jax.jit(functools.partial(layer, capacity=chosen))(x, logits)
     chex.assert_trees_all_close((out, dropped), (want_out, want_dropped), rtol=1e-6)
     assert busiest > 16 and float(dropped) > 0  # capped: the busiest expert overflows
 

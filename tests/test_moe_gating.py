@@ -4,7 +4,6 @@ Gating runs jitted (one small compile per configuration, at -O0): eager dispatch
 small ops is slower here than compiling them.
 """
 
-import functools
 import math
 
 import chex
@@ -17,12 +16,10 @@ from jaxspeed.moe import gating
 from jaxspeed.moe.gating import Routing, compute_capacity, gate_logits, top_k_gating
 
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 STATIC = ("k", "capacity_factor", "min_capacity", "drop_tokens", "eval_mode",
           "eval_capacity_factor", "capacity", "normalize_gate", "noisy_gate_policy",
           "gate_noise", "use_rts", "bpr", "z_loss_coef")
-gate = jax.jit(top_k_gating, static_argnames=STATIC, compiler_options=FAST_COMPILE)
-fast_jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+gate = jax.jit(top_k_gating, static_argnames=STATIC)
 
 
 def random_logits(seed, tokens, experts, scale=2.0):
@@ -152,7 +149,7 @@ def test_gradients_flow_to_logits_through_weight_aux_and_z():
         r = top_k_gating(l, 2, capacity=3, z_loss_coef=0.1)
         return jnp.sum(r.weight * jnp.arange(2.0)) + r.aux_loss + r.z_loss
 
-    g = fast_jit(jax.grad(loss))(logits)
+    g = jax.jit(jax.grad(loss))(logits)
     assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).sum() > 0
 
 
@@ -169,7 +166,7 @@ def test_rts_is_a_deterministic_random_order():
     logits = jnp.asarray(random_logits(8, 32, 4))
     key = jax.random.key(1)
 
-    @fast_jit
+    @jax.jit
     def run(key):  # the routing and the documented random order, from one compile
         order = jax.random.permutation(jax.random.fold_in(key, 2), 32)
         return top_k_gating(logits, 1, 0.5, use_rts=True, rng=key), order
@@ -185,7 +182,7 @@ def test_rts_is_a_deterministic_random_order():
 def test_rsample_picks_with_gumbel_noise_and_weights_stay_clean():
     logits = random_logits(9, 32, 4, scale=0.5)
     key = jax.random.key(3)
-    r, gumbel = fast_jit(lambda l, key: (
+    r, gumbel = jax.jit(lambda l, key: (
         top_k_gating(l, 2, capacity=32, noisy_gate_policy="RSample", rng=key),
         jax.random.gumbel(jax.random.fold_in(key, 1), l.shape)))(logits, key)
     want = reference_gating(logits, 2, 32, select=logits + gumbel)
@@ -199,7 +196,7 @@ def test_rsample_picks_with_gumbel_noise_and_weights_stay_clean():
 def test_tutel_gate_noise_perturbs_logits():
     logits = random_logits(10, 16, 4)
     key = jax.random.key(4)
-    r, noise = fast_jit(lambda l, key: (
+    r, noise = jax.jit(lambda l, key: (
         top_k_gating(l, 2, 1.0, gate_noise=1.0, rng=key),
         jax.random.normal(jax.random.fold_in(key, 0), l.shape)))(logits, key)
     noisy = logits + 1.0 * np.asarray(noise) / 4
@@ -211,7 +208,7 @@ def test_jitter_multiplies_the_gate_input():
     x = jnp.asarray(random_logits(11, 8, 16))
     kernel = jnp.asarray(random_logits(12, 16, 4))
     key = jax.random.key(5)
-    got, u, evaluated = fast_jit(lambda x, key: (
+    got, u, evaluated = jax.jit(lambda x, key: (
         gate_logits(x.astype(jnp.bfloat16), kernel, noisy_gate_policy="Jitter", rng=key),
         jax.random.uniform(key, x.shape, jnp.float32, 0.99, 1.01),
         gate_logits(x, kernel, noisy_gate_policy="Jitter", eval_mode=True)))(x, key)
@@ -225,7 +222,7 @@ def test_jitter_multiplies_the_gate_input():
 
 def test_fp32_math_with_bf16_logits():
     logits = random_logits(13, 32, 8).astype(jnp.bfloat16)
-    r, want = fast_jit(lambda l: (top_k_gating(l, 2, 1.0, z_loss_coef=1e-3),
+    r, want = jax.jit(lambda l: (top_k_gating(l, 2, 1.0, z_loss_coef=1e-3),
                                   top_k_gating(l.astype(jnp.float32), 2, 1.0, z_loss_coef=1e-3)))(
         logits)
     assert r.weight.dtype == r.aux_loss.dtype == r.z_loss.dtype == jnp.float32
@@ -234,7 +231,7 @@ def test_fp32_math_with_bf16_logits():
 
 def test_capacity_stays_static_under_jit_and_vmap():
     logits = jnp.asarray(random_logits(14, 16, 4))
-    r = fast_jit(lambda l: top_k_gating(l, 2, 1.0))(logits)
+    r = jax.jit(lambda l: top_k_gating(l, 2, 1.0))(logits)
     assert r.capacity == 8 and isinstance(r.capacity, int)
     batched = jax.eval_shape(jax.vmap(lambda l: top_k_gating(l, 1, 1.0)),
                              np.stack([logits] * 2))

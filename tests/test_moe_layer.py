@@ -19,9 +19,6 @@ from jaxspeed.moe.experts import ExpertParams, expert_ffn
 from jaxspeed.moe.gating import gate_logits, top_k_gating
 from jaxspeed.moe.layer import AUX_LOSS, METRICS, MoE
 
-# Tiny test programs: cheap compiles matter more than fast code.
-fast_jit = functools.partial(jax.jit, compiler_options={
-    "xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False})
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
@@ -80,7 +77,7 @@ def test_layer_matches_blocks_reference(k, activation):
         return layer, jax.value_and_grad(reference, argnums=(0, 1), has_aux=True)(p, x)
 
     ((_, (y, aux, metrics)), grads), ((_, (y_ref, aux_ref, routing)), grads_ref) = (
-        fast_jit(both)(params, x))
+        jax.jit(both)(params, x))
 
     assert float(routing.dropped_fraction) > 0  # the capacity really drops choices
     chex.assert_trees_all_close(y, y_ref, **TOL)
@@ -102,7 +99,7 @@ def test_aux_loss_is_sown_and_differentiable():
         (value,) = jax.tree.leaves(state[AUX_LOSS])
         return value
 
-    value, grads = fast_jit(jax.value_and_grad(aux_only))(params)
+    value, grads = jax.jit(jax.value_and_grad(aux_only))(params)
     gate_grad = np.asarray(nn.unbox(grads)["params"]["gate_kernel"])
     chex.assert_shape(value, ())
     assert float(value) > 0
@@ -118,7 +115,7 @@ def test_dropless_equals_large_capacity():
     step = lambda m, p: jax.value_and_grad(  # noqa: E731
         functools.partial(layer_loss, m), argnums=(0, 1), has_aux=True)(p, x)
     ((_, (y_a, aux_a, metrics_a)), grads_a), ((_, (y_b, aux_b, metrics_b)), grads_b) = (
-        fast_jit(lambda p: (step(dropless, p), step(large, p)))(params))
+        jax.jit(lambda p: (step(dropless, p), step(large, p)))(params))
     assert float(metrics_b["dropped_fraction"][0]) == 0.0
     chex.assert_trees_all_close(y_a, y_b, **TOL)
     chex.assert_trees_all_close(aux_a, aux_b, **TOL)
@@ -134,7 +131,7 @@ def test_residual_and_shared_experts_have_gradients():
     assert {"residual_w_in", "residual_w_out", "residual_w_gate", "residual_coef_kernel",
             "residual_coef_bias", "shared_w_in", "shared_w_out", "shared_w_gate"} <= names
     chex.assert_shape(nn.unbox(params)["params"]["shared_w_in"], (12, 16))
-    (_, (y, _, _)), (grads, _) = fast_jit(jax.value_and_grad(
+    (_, (y, _, _)), (grads, _) = jax.jit(jax.value_and_grad(
         functools.partial(layer_loss, module), argnums=(0, 1), has_aux=True))(params, x)
     chex.assert_shape(y, x.shape)
     for name, g in nn.unbox(grads)["params"].items():
@@ -208,7 +205,7 @@ def test_dynamic_capacity_matches_its_bucket(cap_factor, want):
     params = random_params(dynamic, x)
     step = lambda m, p: jax.value_and_grad(  # noqa: E731
         functools.partial(layer_loss, m), argnums=(0, 1), has_aux=True)(p, x)
-    both = fast_jit(lambda p: (step(dynamic, p), step(other, p)))
+    both = jax.jit(lambda p: (step(dynamic, p), step(other, p)))
     ((_, (y_a, aux_a, metrics_a)), grads_a), ((_, (y_b, aux_b, metrics_b)), grads_b) = both(params)
     if want == "dropless":
         assert float(metrics_a["dropped_fraction"][0]) == 0.0

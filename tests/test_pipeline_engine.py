@@ -109,6 +109,12 @@ def test_bad_pipeline_setups_are_clear_errors(overrides, match):
         js.initialize(config(*THREE_D, *overrides))
 
 
+def test_a_mesh_that_disagrees_with_mesh_pipe_is_a_clear_error():
+    mesh = js.mesh.make_mesh(js.config.MeshConfig(pipe=2, data=4))
+    with pytest.raises(ConfigError, match="pipe=2 but the config has mesh.pipe=1"):
+        js.initialize(config("mesh.data=8"), mesh=mesh)
+
+
 def test_balanced_partition_trains_uneven_layers():
     engine = js.initialize(config(*THREE_D, "model.n_layers=3", "pipeline.partition=balanced"))
     _, losses = train(engine, engine.init(jax.random.key(0)), 2)

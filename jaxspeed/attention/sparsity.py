@@ -19,14 +19,13 @@ Deliberate differences from DeepSpeed (each was a crash or an undetected misuse 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
-from jaxspeed.errors import ConfigError
+from jaxspeed.errors import ConfigError, did_you_mean
 
 ATTENTION_KINDS: tuple[str, ...] = ("bidirectional", "unidirectional")
 
@@ -508,10 +507,8 @@ def sparsity_config_from_dict(
     accepted = config_keys(mode)
     for key in params:
         if key not in accepted:
-            close = difflib.get_close_matches(str(key), accepted, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
-                f"{path}.{key}: unknown key for mode {mode!r}{hint}; "
+                f"{path}.{key}: unknown key for mode {mode!r}{did_you_mean(key, accepted)}; "
                 f"accepted keys are {['mode', *accepted]}"
             )
     try:

@@ -12,7 +12,6 @@ when the engine hands it bf16/fp16 copies of fp32 master parameters.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import math
 from typing import Any
@@ -27,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxspeed.attention.block_sparse import IMPLS as SPARSE_IMPLS
 from jaxspeed.attention.block_sparse import block_sparse_attention
 from jaxspeed.attention.sparsity import SparsityConfig, sparsity_config_from_dict
-from jaxspeed.errors import ConfigError
+from jaxspeed.errors import ConfigError, did_you_mean
 from jaxspeed.losses import AUX_LOSS
 from jaxspeed.moe.layer import GATING_RNG, MoE
 from jaxspeed.moe.layer import METRICS as MOE_METRICS
@@ -492,10 +491,8 @@ def _moe_options(model_cfg: Any) -> dict[str, Any]:
     every = options.pop("every_n_layers", 1)
     for key in options:
         if key not in MOE_KEYS:
-            close = difflib.get_close_matches(str(key), MOE_KEYS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
-                f"model.moe.{key}: unknown key{hint}; accepted keys are "
+                f"model.moe.{key}: unknown key{did_you_mean(key, MOE_KEYS)}; accepted keys are "
                 f"{['every_n_layers', *MOE_KEYS]}"
             )
     options.setdefault("d_ff", getattr(model_cfg, "d_ff", GPT.d_ff))

@@ -28,8 +28,9 @@ from jaxspeed.moe.experts import ACTIVATIONS, ExpertParams, expert_ffn
 from jaxspeed.moe.gating import NOISY_GATE_POLICIES
 from jaxspeed.moe.parallel import GatingOptions, moe_ffn
 
-#: Flax collection of routing metrics: "dropped_fraction", "expert_counts", "balance_loss".
-METRICS = "moe_metrics"
+#: Flax collection of routing metrics: "dropped_fraction", "expert_counts", "balance_loss"
+#: (Flax's own `sow` default, which trainers leave immutable).
+METRICS = "intermediates"
 #: The rng stream for noisy gates and random token selection.
 GATING_RNG = "gating"
 

@@ -9,7 +9,6 @@ them with the top-level `gradient_clipping`.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,7 +18,7 @@ import optax
 
 from jaxspeed.config import OPTIMIZER_TYPES as _SCHEMA_OPTIMIZER_TYPES
 from jaxspeed.config import SCHEDULER_TYPES
-from jaxspeed.errors import ConfigError
+from jaxspeed.errors import ConfigError, did_you_mean
 
 #: The config's optimizer types that this factory builds.
 OPTIMIZER_TYPES: tuple[str, ...] = _SCHEMA_OPTIMIZER_TYPES
@@ -112,11 +111,6 @@ _KIND_WORDS = {
 }
 
 
-def _did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _canonical_type(value: Any, accepted: tuple[str, ...], *, section: str) -> str:
     """Maps `value` case-insensitively onto one of `accepted` (DeepSpeed lowercases names)."""
     by_lower = {name.lower(): name for name in accepted}
@@ -124,7 +118,7 @@ def _canonical_type(value: Any, accepted: tuple[str, ...], *, section: str) -> s
         return by_lower[value.lower()]
     raise ConfigError(
         f"{section}.type {value!r} is not supported; accepted: {', '.join(accepted)}"
-        + _did_you_mean(str(value), accepted)
+        + did_you_mean(str(value), accepted)
     )
 
 
@@ -171,7 +165,7 @@ def _read_params(
             raise ConfigError(
                 f"{section}.params.{key}: unknown key for {section}.type {type_name}; "
                 f"accepted: {', '.join(accepted) or '(none)'}"
-                + (hint or _did_you_mean(key, accepted))
+                + (hint or did_you_mean(key, accepted))
             )
     values = {}
     for key, (default, kind) in spec.items():
