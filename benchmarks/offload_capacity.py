@@ -7,12 +7,18 @@ micro-batch 1 × seq 1024 per device.
 
 - baseline: everything on the device (fp32 params, grads, Adam m and v: 16 bytes/param / N);
 - offload: `offload_param: cpu` + `offload_optimizer: {device: cpu, update_on: host}`, i.e.
-  ZeRO-Offload: fp32 masters and Adam state stay in pinned host memory and are updated there;
-  the device holds the bf16 copy of the (sharded) params for the step and the fp32 gradients.
+  ZeRO-Offload: fp32 masters and Adam state stay in pinned host memory and are updated there.
+  The GPT streams its layers (ZeRO-Infinity style): each scanned layer fetches its own param
+  shard to the device as it runs, and its gradient shard goes back to the host as the backward
+  pass makes it.
 
 Device bytes are `memory_report()["per_device_bytes"]["device"]`: on CPU, where XLA counts host
-and device memory together, the host-resident state is subtracted and the bf16 param copy the step
-fetches is added back (see `jaxspeed.memory`). The model family scales the width (head dim 128,
+and device memory together, the host-resident state and the streamed layers' gradients (all but
+one layer's) are subtracted and one layer's fetched params are added back (see
+`jaxspeed.memory`). That credit assumes the peak comes when the gradients are done; if it comes
+at the start of the backward pass instead, the saved layer inputs (full remat: one residual
+stream per layer) are still live. So offload probes add `(n_layers - 1) x seq x d_model x 2`
+bytes (bf16) to stay an upper bound. The model family scales the width (head dim 128,
 d_ff = 4·d_model) at fixed depth; a binary search finds the widest model that fits.
 Headline: ratio = largest params with offload / largest params without.
 """
@@ -68,10 +74,11 @@ def measure(width: int, *, setup: dict, offload: bool) -> dict:
     engine = initialize(bench_config(width, setup=setup, offload=offload))
     report = engine.memory_report()
     per_device = report["per_device_bytes"]
+    margin = (setup["n_layers"] - 1) * setup["seq_len"] * width * 2 if offload else 0
     return {
         "width": width,
         "n_params": count_params(engine.abstract_state().params),
-        "device": per_device["device"],
+        "device": per_device["device"] + margin,
         "host": per_device["host"],
         "temp": per_device["temp"],
         "seconds": time.perf_counter() - start,

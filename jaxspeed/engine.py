@@ -25,6 +25,7 @@ from jaxspeed.losses import lm_loss
 from jaxspeed.mesh import DATA_PARALLEL_AXES, PIPE, data_parallel_size, make_mesh
 from jaxspeed.optim import build_optimizer
 from jaxspeed.sharding import Plan, plan_sharding
+from jaxspeed.sharding.planner import LeafPlan
 from jaxspeed.sharding.rules import DEFAULT_RULES
 from jaxspeed.offload import DEVICE, HOST, with_memory_kind
 from jaxspeed.onebit_step import check_onebit_config, onebit_train_step
@@ -53,6 +54,7 @@ class Engine:
         self.batch_sizes = resolve_batch(config, data_parallel_size(mesh))
         host_update = config.zero_optimization.offload_optimizer.update_on == "host"
         self.onebit_axes = onebit_axes(config, mesh)
+        self._streams = getattr(model, "stream_layers", None) is not None
         self.tx, self.schedule = build_optimizer(
             config, clip_outside=host_update, axis_name=self.onebit_axes
         )
@@ -104,6 +106,12 @@ class Engine:
         if plan.param_memory == DEVICE and plan.opt_memory == DEVICE:
             return None
         params = plan.params_on_device if plan.param_memory != DEVICE else None
+        streamed = None
+        if params is not None and self._streams:  # the model's scanned stack
+            streamed = jax.tree.map(
+                lambda leaf: leaf.logical[:1] == ("layers",), plan.leaves,
+                is_leaf=lambda x: isinstance(x, LeafPlan),
+            )
         if self.config.zero_optimization.offload_optimizer.update_on == "host":
             host_update = (
                 with_memory_kind(plan.grads, HOST),
@@ -111,11 +119,18 @@ class Engine:
                 plan.replicated.with_memory_kind(HOST),
             )
             clip = self.config.gradient_clipping
-            return OffloadSpec(params=params, host_update=host_update, clip=clip)
+            return OffloadSpec(params=params, host_update=host_update, clip=clip, streamed=streamed)
         opt_state = None
         if plan.opt_memory != DEVICE:
             opt_state = plan.opt_state_shardings(self._abstract_opt_state, memory_kind=DEVICE)
-        return OffloadSpec(params=params, opt_state=opt_state)
+        return OffloadSpec(params=params, opt_state=opt_state, streamed=streamed)
+
+    @property
+    def streamed_params(self):
+        """Pytree of bools like the params: True where the model fetches the host-resident
+        param layer by layer (`offload_param` with the reference GPT); None: no streaming."""
+        off = self._spec.offload
+        return off.streamed if off is not None else None
 
     def _micro_sharding(self, ndim: int) -> NamedSharding:
         batch = self.plan.batch_sharding(ndim - 1).spec
@@ -310,6 +325,14 @@ def _check_supported(config: Config) -> None:
                 )
 
 
+def _streams_layers(config: Config) -> bool:
+    """Whether the reference GPT streams its layers' params from the host (`offload_param`).
+
+    A pipeline (`mesh.pipe > 1`) fetches each stage's params for the whole step instead.
+    """
+    return config.zero_optimization.offload_param.device == "cpu" and config.mesh.pipe == 1
+
+
 def _objective(config: Config, mesh: Mesh, fns: ModelFns, loss_fn, model):
     """The step's `(params, batch, rng, train) -> (loss, extras)` (see `train_step.Objective`).
 
@@ -369,15 +392,19 @@ def initialize(
             f"mesh.pipe={config.mesh.pipe}; make them agree"
         )
     batch = resolve_batch(config, data_parallel_size(mesh))
+    zero = config.zero_optimization
     if model is None:
         from jaxspeed.models import build_gpt
 
         remat = config.activation_checkpointing
-        model = build_gpt(config.model, remat_policy=remat.policy, remat_names=remat.names)
+        stream = _streams_layers(config)
+        model = build_gpt(
+            config.model, remat_policy=remat.policy, remat_names=remat.names,
+            stream_layers=precision.compute_dtype(config) if stream else None,
+        )
     if sample_batch is None:
         sample_batch = {"inputs": np.zeros((batch.micro_batch_per_device, config.data.seq_len), np.int32)}
     fns = model_fns(model, sample_inputs=sample_batch["inputs"], params=params, param_axes=param_axes)
-    zero = config.zero_optimization
     plan = plan_sharding(
         fns.abstract_params,
         fns.logical_axes,

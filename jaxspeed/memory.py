@@ -40,21 +40,47 @@ def _compiled_stats(compiled) -> dict[str, int]:
     return stats
 
 
-def _streamed_bytes(engine, state, *, temp: int, grads: int) -> int:
-    """Device bytes the step needs for host-resident state (when XLA does not count them).
+#: Said with HOST_NOTE when the model streams its layers from the host.
+STREAM_NOTE = (
+    "the streamed layers' gradients go to host memory as the backward pass makes them: all "
+    "but one layer's are subtracted from temp too"
+)
+
+
+def _streamed_bytes(engine, state, *, temp: int, grads: int) -> tuple[int, int]:
+    """`(added, credit)`: device bytes the step needs for host-resident state, and the
+    streamed gradients in `temp` that live on the host (when XLA does not count them).
 
     Offloaded params travel as their compute-dtype copy (cast on the host) for the forward
-    and backward passes, next to the activations. An update on the device fetches the
-    offloaded fp32 params and optimizer state after the activations are freed, while the
-    gradients are live: it adds only what exceeds the scratch (`temp`) already counted. An
-    update on the host fetches nothing.
+    and backward passes, next to the activations. Layers the model streams (`offload.fetch`)
+    are on the device one scanned unit at a time instead (the fp32 slice and its cast), and
+    their gradients go to the host as the backward pass makes them: the stacked gradient in
+    `temp` is credited back, except the last unit's (a unit's working set can peak while its
+    gradient is still on the device). The credit presumes the peak comes once the backward
+    pass is done; if it comes as the backward pass starts, the layer inputs saved for it
+    are live too, so `device` can be low by at most those (a residual stream per layer
+    under full remat). An update on the device fetches the offloaded params,
+    optimizer state and streamed gradients after the activations are freed: it adds only
+    what exceeds the scratch already counted. An update on the host fetches nothing.
     """
-    params = host_bytes(state.params)
-    compute = params * np.dtype(engine.compute_dtype).itemsize // 4
+    itemsize = np.dtype(engine.compute_dtype).itemsize
+    leaves = jax.tree.leaves(state.params)
+    streamed = []
+    if engine.streamed_params is not None:
+        mask = jax.tree.leaves(engine.streamed_params)
+        streamed = [x for x, s in zip(leaves, mask, strict=True) if s]
+    others = host_bytes(leaves) - host_bytes(streamed)
+    compute = others * itemsize // 4
+    credit = 0
+    if streamed:
+        units = streamed[0].shape[0]
+        compute += host_bytes(streamed) // units * (4 + itemsize) // 4
+        credit = host_bytes(streamed) * (units - 1) // units
     update = 0
     if engine.config.zero_optimization.offload_optimizer.update_on != "host":
-        update = max(0, grads + params + host_bytes(state.opt_state) - temp)
-    return compute + update
+        scratch = temp - credit
+        update = max(0, grads + host_bytes(leaves) + host_bytes(state.opt_state) - scratch)
+    return compute + update, credit
 
 
 def memory_report(engine) -> dict[str, Any]:
@@ -67,8 +93,8 @@ def memory_report(engine) -> dict[str, Any]:
 
     Where XLA separates host memory (GPU, TPU), `device` and `host_bytes` come from the
     analysis. Where it does not (CPU), the host-resident state is subtracted and the state
-    the step streams through the device is added back (XLA on CPU elides those copies; see
-    `_streamed_bytes`); `notes` says so.
+    the step streams through the device is added back, net of streamed layers' gradients
+    (XLA on CPU elides those copies; see `_streamed_bytes`); `notes` says so.
     """
     state = engine.abstract_state()
     estimate = {
@@ -87,10 +113,12 @@ def memory_report(engine) -> dict[str, Any]:
         device = total
     else:
         host = on_host_state
-        streamed = _streamed_bytes(engine, state, temp=compiled["temp"], grads=estimate["grads"])
-        device = total - on_host_state + streamed
+        added, credit = _streamed_bytes(engine, state, temp=compiled["temp"], grads=estimate["grads"])
+        device = total - on_host_state + added - credit
         if on_host_state:
             notes.append(HOST_NOTE)
+        if credit:
+            notes.append(STREAM_NOTE)
     return {
         "mesh": dict(engine.mesh.shape),
         "zero_stage": engine.plan.stage,

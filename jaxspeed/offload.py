@@ -4,6 +4,12 @@ A sharding with ``memory_kind="pinned_host"`` keeps the same per-device shards i
 The jitted step moves such arrays to the device for the compute (`to_device`), and its
 `out_shardings` put the new values back on the host, so the host copy is the only one that
 survives a step. `run_on_host` runs a function on the host instead (ZeRO-Offload's CPU-Adam).
+
+Layer streaming (ZeRO-Infinity's parameter offload): a scanned layer calls `fetch` on its own
+slice of the host-resident params, so one layer's params at a time occupy device memory.
+Autodiff transposes the move, so that layer's gradient goes back to host memory as the
+backward pass produces it. JAX types carry the memory space (`in_host`) and refuse device math
+on host arrays; `map_where_it_lives` runs a per-leaf function where each leaf is.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
+
+from jaxspeed.precision import cast_floating
 
 HOST = "pinned_host"
 DEVICE = "device"
@@ -48,6 +56,30 @@ def run_on_host(fn: Callable[..., Any], *args):
     from jax.experimental.compute_on import compute_on
 
     return compute_on("device_host")(fn)(*args)
+
+
+def in_host(x) -> bool:
+    """Whether a (traced) array lives in host memory (JAX's types carry the memory space)."""
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def fetch(tree, dtype):
+    """Inside a jitted step: host-resident arrays into device memory, floating ones cast to
+    `dtype` there. Its transpose moves the gradient back to the host."""
+    return cast_floating(jax.device_put(tree, jax.memory.Space.Device), dtype)
+
+
+def map_where_it_lives(fn: Callable[..., Any], *trees):
+    """`jax.tree.map(fn, *trees)`, each leaf's call a host computation when the first tree's
+    leaf is in host memory (the other trees' leaves must be there too)."""
+    return jax.tree.map(lambda x, *rest: run_on_host(fn, x, *rest) if in_host(x) else fn(x, *rest),
+                        *trees)
+
+
+def device_scalars(fn: Callable[[Any], Any], tree) -> list:
+    """`fn(leaf)` for every leaf, computed where the leaf lives, each result in device memory."""
+    out = jax.tree.leaves(map_where_it_lives(fn, tree))
+    return [jax.device_put(x, jax.memory.Space.Device) if in_host(x) else x for x in out]
 
 
 def memory_kinds(tree) -> set[str]:

@@ -44,12 +44,16 @@ class OffloadSpec(NamedTuple):
       clip: with `host_update`, the max global norm the host clips to, with the norm the
         device computed (the host `tx` has `optax.identity()` in the clipping's place: optax's
         norm cannot run as a host computation); 0 = off.
+      streamed: with `params`, a pytree of bools like the params: True where the model
+        fetches the host-resident leaf itself, one layer at a time (`offload.fetch`), so the
+        step passes it on as it is; those leaves' gradients come back in host memory.
     """
 
     params: Any = None
     opt_state: Any = None
     host_update: tuple[Any, Any, Any] | None = None
     clip: float = 0.0
+    streamed: Any = None
 
 
 #: `(params, batch, rng, train) -> (loss, extras)`: the scalar to minimise (auxiliary losses
@@ -108,22 +112,33 @@ def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, rng, scale):
     grad_fn = jax.value_and_grad(
         lambda p, b, r: _microbatch_loss(spec, p, b, r, scale), has_aux=True
     )
-    constrain = lambda g: jax.lax.with_sharding_constraint(g, spec.grad_shardings)  # noqa: E731
+
+    def constrain(grads):  # streamed layers' gradients are already sharded, in host memory
+        if spec.grad_shardings is None:  # inside shard_map (1-bit Adam): per-device grads
+            return grads
+        return jax.tree.map(
+            lambda g, s: g if offload.in_host(g) else jax.lax.with_sharding_constraint(g, s),
+            grads, spec.grad_shardings,
+        )
     n = spec.accumulation
     if n == 1:  # one microbatch: no accumulator to carry
         first = jax.tree.map(lambda x: x[0], micro_batches)
         (_, (loss, extras)), grads = grad_fn(compute_params, first, jax.random.fold_in(rng, 0))
-        return loss, extras, constrain(jax.tree.map(lambda g: g / scale, _float32(grads)))
+        return loss, extras, constrain(_divide(_float32(grads), scale))
 
     def body(carry, indexed):
         i, batch = indexed
         grads_sum, loss_sum, extras_sum = carry
         (_, (loss, extras)), grads = grad_fn(compute_params, batch, jax.random.fold_in(rng, i))
         # ZeRO-2/3: the running sum already lives in the gradient sharding (reduce-scattered).
-        grads_sum = constrain(jax.tree.map(jnp.add, grads_sum, _float32(grads)))
+        grads_sum = constrain(offload.map_where_it_lives(jnp.add, grads_sum, _float32(grads)))
         return (grads_sum, loss_sum + loss, jax.tree.map(jnp.add, extras_sum, extras)), None
 
-    zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), compute_params))
+    def zeros_like(p):  # in the memory the gradient will arrive in
+        zeros = jnp.zeros(p.shape, jnp.float32)
+        return jax.device_put(zeros, jax.memory.Space.Host) if offload.in_host(p) else zeros
+
+    zeros = constrain(jax.tree.map(zeros_like, compute_params))
     first = jax.tree.map(lambda x: x[0], micro_batches)
     extras_shape = jax.eval_shape(
         lambda p, b: _microbatch_loss(spec, p, b, rng, scale)[1][1], compute_params, first
@@ -132,21 +147,48 @@ def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, rng, scale):
     (grads, loss, extras), _ = jax.lax.scan(body, init, (jnp.arange(n), micro_batches))
     mean = lambda x: x / n  # noqa: E731
     return mean(loss), jax.tree.map(mean, extras), constrain(
-        jax.tree.map(lambda g: g / (n * scale), grads)
+        _divide(grads, n * scale)
     )
+
+
+def _divide(grads, divisor):
+    """`grads / divisor` leaf by leaf, where each leaf lives."""
+    def one(g):
+        if not offload.in_host(g):
+            return g / divisor
+        return offload.run_on_host(jnp.divide, g, jax.device_put(divisor, jax.memory.Space.Host))
+
+    return jax.tree.map(one, grads)
 
 
 def _compute_params(spec: StepSpec, params):
     """The params the forward pass uses: cast to the compute dtype, in device memory.
 
     Offloaded params are cast on the host first (ZeRO-Offload: the fp32 masters stay on the
-    host; only the bf16/fp16 copy travels and occupies device memory).
+    host; only the bf16/fp16 copy travels and occupies device memory). Streamed leaves stay
+    where they are: the model fetches them layer by layer.
     """
     cast = functools.partial(precision.cast_floating, dtype=spec.compute_dtype)
     off = spec.offload
     if off is None or off.params is None:
         return cast(params)
-    return offload.to_device(offload.run_on_host(cast, params), off.params)
+    if off.streamed is None:
+        return offload.to_device(offload.run_on_host(cast, params), off.params)
+    fetch = lambda p, streamed, where: p if streamed else offload.to_device(  # noqa: E731
+        offload.run_on_host(cast, p), where)
+    return jax.tree.map(fetch, params, off.streamed, off.params)
+
+
+def _global_norm(grads):
+    """`optax.tree.norm(grads)`, each leaf's sum of squares taken where the leaf lives."""
+    if not any(offload.in_host(g) for g in jax.tree.leaves(grads)):
+        return optax.tree.norm(grads)
+    return jnp.sqrt(sum(offload.device_scalars(lambda g: jnp.sum(jnp.square(g)), grads)))
+
+
+def _all_finite(grads):
+    """`precision.all_finite(grads)`, each leaf checked where it lives."""
+    return jnp.all(jnp.stack(offload.device_scalars(precision.all_finite, grads)))
 
 
 def _apply_update(tx: optax.GradientTransformation, grads, opt_state, params, finite):
@@ -177,6 +219,8 @@ def _update(spec: StepSpec, grads, norm, opt_state, params, finite):
             opt_state = offload.to_device(opt_state, off.opt_state)
         if off.params is not None:
             params = offload.to_device(params, off.params)
+        if off.streamed is not None:  # the streamed layers' gradients are in host memory
+            grads = jax.device_put(grads, jax.memory.Space.Device)
         return _apply_update(spec.tx, grads, opt_state, params, finite)
     grads_host, params_host, scalar_host = off.host_update
     to_host = lambda x, where: None if x is None else jax.device_put(x, where)  # noqa: E731
@@ -203,9 +247,9 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     loss, extras, grads = _loss_and_grads(
         spec, _compute_params(spec, state.params), micro, step_rng, scale
     )
-    norm = optax.tree.norm(grads)
+    norm = _global_norm(grads)
     loss_scale = state.loss_scale
-    finite = precision.all_finite(grads) if loss_scale is not None else None
+    finite = _all_finite(grads) if loss_scale is not None else None
     params, opt_state = _update(spec, grads, norm, state.opt_state, state.params, finite)
     metrics = {
         "loss": loss,

@@ -23,6 +23,7 @@ import numpy as np
 
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxspeed import offload
 from jaxspeed.attention.block_sparse import IMPLS as SPARSE_IMPLS
 from jaxspeed.attention.block_sparse import block_sparse_attention
 from jaxspeed.attention.sparsity import SparsityConfig, sparsity_config_from_dict
@@ -280,6 +281,11 @@ class GPT(nn.Module):
     `sparse_impl`. `dtype=None` computes in the dtype the parameters arrive in; logits are
     always float32.
 
+    `stream_layers` (a dtype, or None) is ZeRO-Offload's parameter offload, layer by layer:
+    `params["layers"]` arrive in host memory, and each scanned unit fetches its own slice to
+    the device in that dtype as it runs (again when remat recomputes it), so one unit's
+    params at a time occupy device memory; their gradients go back to host memory.
+
     Besides `__call__`, the pieces are methods (for `apply(..., method=...)`), so the
     pipeline can run the layers in stages: `embed` (tokens → residual stream), `layer_stack`
     (an unbound stack of any number of layers, parameters like `params["layers"]` sliced on
@@ -304,6 +310,7 @@ class GPT(nn.Module):
     moe_every: int = 1
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
+    stream_layers: Dtype | None = None
 
     def __post_init__(self) -> None:
         _check_choice("norm", self.norm, NORMS)
@@ -366,6 +373,9 @@ class GPT(nn.Module):
         unit_cls, kwargs = Block, block
         if self.moe is not None:
             unit_cls, kwargs = BlockGroup, {"every": self.moe_every, "block": block}
+        if self.stream_layers is not None:  # inside remat: recomputing a unit fetches it again
+            fetch = functools.partial(offload.fetch, dtype=self.stream_layers)
+            unit_cls = nn.map_variables(unit_cls, "params", trans_in_fn=fetch, init=False, mutable=True)
         if self.remat_policy != "none":
             policy = checkpoint_policy(
                 self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES
@@ -500,7 +510,9 @@ def _moe_options(model_cfg: Any) -> dict[str, Any]:
     return {"moe": tuple(sorted(options.items())), "moe_every": every}
 
 
-def build_gpt(model_cfg: Any, *, remat_policy: str = "none", remat_names=()) -> GPT:
+def build_gpt(
+    model_cfg: Any, *, remat_policy: str = "none", remat_names=(), stream_layers=None
+) -> GPT:
     """Builds a `GPT` from a model config (any object with the `model:` attributes).
 
     Args:
@@ -510,6 +522,8 @@ def build_gpt(model_cfg: Any, *, remat_policy: str = "none", remat_names=()) -> 
         and `MOE_KEYS`.
       remat_policy: activation-checkpointing policy name (see `GPT`).
       remat_names: `checkpoint_name` tags saved with policy "names".
+      stream_layers: the dtype the scanned layers' host-resident params are fetched in, one
+        unit at a time (see `GPT`); None: params arrive on the device.
 
     Returns:
       The (unbound) `GPT` module.
@@ -523,7 +537,7 @@ def build_gpt(model_cfg: Any, *, remat_policy: str = "none", remat_names=()) -> 
     kwargs = {key: getattr(model_cfg, key) for key in _GPT_FIELDS if hasattr(model_cfg, key)}
     return GPT(
         **kwargs, **_sparse_options(model_cfg), **_moe_options(model_cfg),
-        remat_policy=remat_policy, remat_names=tuple(remat_names),
+        remat_policy=remat_policy, remat_names=tuple(remat_names), stream_layers=stream_layers,
     )
 
 
