@@ -7,7 +7,10 @@ device's `peak_bytes_in_use` belongs to that mode alone:
 - `device`: everything in device memory (16 bytes/param of state);
 - `opt`: `offload_optimizer: cpu`, the update on the device (state streamed in and out);
 - `opt_host`: `offload_optimizer: {device: cpu, update_on: host}` (CPU-Adam);
-- `all_host`: `opt_host` plus `offload_param: cpu` (stage 3): fp32 masters on the host too.
+- `all_host`: `opt_host` plus `offload_param: cpu` (stage 3): fp32 masters on the host too,
+  the layers streamed one at a time (their gradients to the host as the backward pass makes
+  them). This is the mode that checks, on real device memory, what `memory_report` can only
+  model on CPU.
 
 Prints a table and one JSON line per mode; the headline (last line) is `all_host` with
 ratio = device-mode peak memory / all_host peak memory, and its step-time cost alongside.
