@@ -79,8 +79,10 @@ REMAT_ACCUMULATE = ("activation_checkpointing.policy=full", "gradient_accumulati
 
 @pytest.mark.parametrize(
     "variant",
-    [(), ("bf16.enabled=true", *HOST_UPDATE[1:]), (*REMAT_ACCUMULATE, *HOST_UPDATE[1:])],
-    ids=["fp32-device-update", "bf16-host-update", "remat-accumulate-host-update"],
+    [(), ("bf16.enabled=true", *HOST_UPDATE[1:]), (*REMAT_ACCUMULATE, *HOST_UPDATE[1:]),
+     ("fp16.enabled=true", *REMAT_ACCUMULATE)],
+    ids=["fp32-device-update", "bf16-host-update", "remat-accumulate-host-update",
+         "fp16-remat-accumulate-device-update"],
 )
 def test_offloaded_params_live_on_host_and_match(variant):
     got = trained(3, (*OFFLOAD_PARAM, *variant))
