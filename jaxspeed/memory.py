@@ -113,7 +113,9 @@ def memory_report(engine) -> dict[str, Any]:
         device = total
     else:
         host = on_host_state
-        added, credit = _streamed_bytes(engine, state, temp=compiled["temp"], grads=estimate["grads"])
+        added, credit = _streamed_bytes(
+            engine, state, temp=compiled["temp"], grads=estimate["grads"]
+        )
         device = total - on_host_state + added - credit
         if on_host_state:
             notes.append(HOST_NOTE)

@@ -81,6 +81,8 @@ def onebit_train_step(
             varying = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), state.params)
             compute = precision.cast_floating(varying, spec.compute_dtype)
             next_rng, step_rng = jax.random.split(state.rng)
+            # each worker its own draws (gate noise, dropout): its tokens are its own
+            step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axes))
             loss, extras, grads = _loss_and_grads(
                 local_spec, compute, micro, step_rng, jnp.float32(1)
             )

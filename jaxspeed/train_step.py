@@ -174,8 +174,10 @@ def _compute_params(spec: StepSpec, params):
         return cast(params)
     if off.streamed is None:
         return offload.to_device(offload.run_on_host(cast, params), off.params)
-    fetch = lambda p, streamed, where: p if streamed else offload.to_device(  # noqa: E731
-        offload.run_on_host(cast, p), where)
+
+    def fetch(param, streamed: bool, where):
+        return param if streamed else offload.to_device(offload.run_on_host(cast, param), where)
+
     return jax.tree.map(fetch, params, off.streamed, off.params)
 
 

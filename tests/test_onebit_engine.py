@@ -109,3 +109,21 @@ def test_converges_like_adam():
         _, losses = run(engine, engine.init(jax.random.key(0)), 0, 300)
         final[name] = np.mean(losses[-20:])
     assert abs(final["OneBitAdam"] - final["Adam"]) <= 0.03 * final["Adam"], final
+
+
+def test_each_worker_draws_its_own_randomness(monkeypatch):
+    """Gate noise and dropout differ between workers: each folds its index into the key."""
+    from jaxspeed import onebit_step
+
+    real = onebit_step._loss_and_grads
+
+    def spy(spec, params, micro, rng, scale):  # reports the key each worker sees
+        loss, extras, grads = real(spec, params, micro, rng, scale)
+        k = (jax.random.key_data(rng)[-1] % 1000).astype(np.float32)
+        return loss, {**extras, "k": k, "k2": k * k}, grads
+
+    monkeypatch.setattr(onebit_step, "_loss_and_grads", spy)
+    engine = js.initialize(config(*ONEBIT))
+    _, metrics = engine.train_step(engine.init(jax.random.key(0)), dataset().batch(0, global_batch=16))
+    mean, mean_square = float(metrics["k"]), float(metrics["k2"])  # over the 8 workers
+    assert mean_square - mean**2 > 1.0  # the keys vary (equal keys: exactly 0)

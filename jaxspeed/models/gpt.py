@@ -375,7 +375,9 @@ class GPT(nn.Module):
             unit_cls, kwargs = BlockGroup, {"every": self.moe_every, "block": block}
         if self.stream_layers is not None:  # inside remat: recomputing a unit fetches it again
             fetch = functools.partial(offload.fetch, dtype=self.stream_layers)
-            unit_cls = nn.map_variables(unit_cls, "params", trans_in_fn=fetch, init=False, mutable=True)
+            unit_cls = nn.map_variables(
+                unit_cls, "params", trans_in_fn=fetch, init=False, mutable=True
+            )
         if self.remat_policy != "none":
             policy = checkpoint_policy(
                 self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES
