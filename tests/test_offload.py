@@ -46,8 +46,11 @@ def run(engine, state, start, steps):
 
 
 @functools.cache
-def trained(stage: int, extra: tuple[str, ...] = ()):
-    engine = js.initialize(config(f"zero_optimization.stage={stage}", *extra))
+def trained(stage: int, extra: tuple[str, ...] = (), *, stream: bool = True):
+    """`stream=False`: a GPT built without layer streaming (offloaded params are then fetched
+    for the whole step, as for any model that does not stream)."""
+    cfg = config(f"zero_optimization.stage={stage}", *extra)
+    engine = js.initialize(cfg, model=None if stream else build_gpt(cfg.model))
     state = engine.init(jax.random.key(0))
     init_kinds = (memory_kinds(state.params), memory_kinds(state.opt_state))
     state, losses, kinds = run(engine, state, 0, STEPS)
@@ -95,6 +98,13 @@ def test_offloaded_params_live_on_host_and_match(variant):
     chex.assert_trees_all_close(got[0].eval_step(got[1], batch), want[0].eval_step(want[1], batch))
 
 
+def test_offloaded_params_of_a_model_that_does_not_stream_match():
+    got = trained(3, (*OFFLOAD_PARAM, "bf16.enabled=true"), stream=False)
+    assert got[0].streamed_params is None
+    assert got[3] == [({"pinned_host"}, {"pinned_host"})] * (STEPS + 1)
+    assert_same_run(got, trained(3, ("bf16.enabled=true",)))
+
+
 def test_offload_shows_in_the_plan_and_the_memory_report():
     engine = trained(3, tuple(OFFLOAD_PARAM))[0]
     report = engine.memory_report()
@@ -129,6 +139,9 @@ def _device_puts_in_loops(jaxpr, in_loop=False):
 def test_params_stream_layer_by_layer():
     """Inside the layer scan, each layer's params move host → device, and its gradient back."""
     engine = trained(3, tuple(OFFLOAD_PARAM))[0]
+    streamed = engine.streamed_params
+    assert all(jax.tree.leaves(streamed["layers"]))
+    assert not any(jax.tree.leaves({k: v for k, v in streamed.items() if k != "layers"}))
     with jax.set_mesh(engine.mesh):
         jaxpr = jax.make_jaxpr(engine._train[None])(engine.abstract_state(), engine.abstract_batch())
     moves = _device_puts_in_loops(jaxpr.jaxpr)
