@@ -2,7 +2,8 @@
 
 Three ways to run `E` expert FFNs on routed tokens:
   - `expert_ffn` over dispatched capacity buffers `[E, C, M]`: two batched matmuls (the
-    GShard/DeepSpeed/Tutel layout, and what expert parallelism's all-to-all moves);
+    GShard/DeepSpeed/Tutel layout, and what expert parallelism's all-to-all moves). On CPU, in
+    fp32, they run jaxspeed's native kernel (`jaxspeed.native.batched_matmul`);
   - `dropless_ffn`: the `T * k` (token, choice) rows sorted by expert and multiplied with
     `jax.lax.ragged_dot` (MegaBlocks-style grouped matmul). Shapes are static (`[T * k, M]`)
     whatever the routing, nothing is ever dropped and no FLOPs go to padding slots;
@@ -27,6 +28,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxspeed.native import batched_matmul
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 
@@ -112,13 +115,12 @@ def expert_ffn(x, params: ExpertParams, *, activation: str = "gelu"):
     f32 = jnp.float32
 
     def project(w, b):
-        h = jnp.einsum("ecm,emh->ech", x, w.astype(x.dtype), preferred_element_type=f32)
+        h = batched_matmul(x, w.astype(x.dtype))  # [E, C, H], fp32
         return h if b is None else h + b.astype(f32)[:, None, :]
 
     h_gate = project(params.w_gate, None) if activation == "swiglu" else None
     h = _activate(project(params.w_in, params.b_in), h_gate, activation).astype(x.dtype)
-    out = jnp.einsum("ech,ehm->ecm", h, params.w_out.astype(x.dtype),
-                     preferred_element_type=f32)
+    out = batched_matmul(h, params.w_out.astype(x.dtype))
     if params.b_out is not None:
         out = out + params.b_out.astype(f32)[:, None, :]
     return out.astype(x.dtype)
