@@ -124,7 +124,7 @@ def test_inside_shard_map_sums_gradients_of_replicated_operands():
 
 def test_xla_dot_where_the_kernel_does_not_apply(monkeypatch):
     rng = np.random.default_rng(3)
-    a, b, _ = operands(rng, (2,), 4, 3, 5, False, False)
+    a, b, _ = operands(rng, (8,), 4, 3, 5, False, False)
     # bf16 operands: XLA's dot, fp32 result as before.
     bf16 = lowered_text(batched_matmul, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
     assert TARGET not in bf16
@@ -135,6 +135,9 @@ def test_xla_dot_where_the_kernel_does_not_apply(monkeypatch):
     with jax.set_mesh(mesh):
         assert not use_native(a, b)
         assert TARGET not in lowered_text(batched_matmul, a, b)
+    # ... also when the mesh comes only with sharded operands, under a plain `jit`.
+    sharded = jax.device_put(a, jax.sharding.NamedSharding(mesh, P("data")))
+    assert TARGET not in lowered_text(batched_matmul, sharded, b)
     # Turned off by the environment.
     monkeypatch.setenv("JAXSPEED_NATIVE", "0")
     assert not use_native(a, b)

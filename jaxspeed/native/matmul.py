@@ -4,8 +4,9 @@ On CPU, for fp32 operands, it runs jaxspeed's native kernel (`batched_matmul.cc`
 single-threaded OpenBLAS GEMM per batch element, spread over XLA's intra-op thread pool).
 Everywhere else it is the same `jnp.einsum` XLA would run. The choice is made per call:
   - at trace time: fp32 operands, the native library available (see `build.py`), and no mesh
-    axis that XLA would still have to partition (every axis of the current mesh is manual, as
-    inside `shard_map`, or of size 1). A custom call cannot be split by XLA's partitioner.
+    axis that XLA would still have to partition (every axis of the current mesh, and of the
+    operands' shardings, is manual, as inside `shard_map`, or of size 1). XLA's partitioner
+    cannot split a custom call: it would gather the operands and compute on every device.
   - at lowering time: the CPU platform (`jax.lax.platform_dependent`), so the same program
     lowers for a GPU with XLA's dot.
 Gradients are batched matmuls again (with the transposes swapped), so they take the same path
@@ -45,14 +46,22 @@ def batched_matmul(a, b, *, trans_a: bool = False, trans_b: bool = False):
 def use_native(a, b) -> bool:
     """Whether `batched_matmul(a, b)` takes the native kernel (when lowered for CPU)."""
     f32 = jnp.dtype(jnp.float32)
-    return (jnp.result_type(a) == f32 and jnp.result_type(b) == f32 and _mesh_is_manual()
-            and build.available())
+    meshes = (jax.sharding.get_abstract_mesh(), _mesh_of(a), _mesh_of(b))
+    return (jnp.result_type(a) == f32 and jnp.result_type(b) == f32
+            and all(map(_all_manual, meshes)) and build.available())
 
 
-def _mesh_is_manual() -> bool:
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or all(kind == AxisType.Manual or mesh.shape[name] == 1
-                             for name, kind in zip(mesh.axis_names, mesh.axis_types))
+def _mesh_of(x):
+    """The mesh in `x`'s type (under `jit`, inputs sharded over a mesh carry it)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return getattr(sharding, "mesh", None)
+
+
+def _all_manual(mesh) -> bool:
+    """No axis of `mesh` left for XLA's partitioner: each is manual or of size 1."""
+    return mesh is None or mesh.empty or all(
+        kind == AxisType.Manual or size == 1
+        for kind, size in zip(mesh.axis_types, mesh.axis_sizes))
 
 
 def _varying(x) -> frozenset:
