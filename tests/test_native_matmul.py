@@ -154,6 +154,17 @@ def test_lowers_for_gpu_without_the_cpu_kernel():
     assert TARGET not in text and "dot_general" in text
 
 
+def test_flop_count_sees_the_matmuls():
+    """`jaxpr_flops` (the engine's MFU) counts the XLA branch of the platform switch."""
+    from jaxspeed.profiler import jaxpr_flops
+
+    a, b, g = jnp.ones((4, 16, 8)), jnp.ones((4, 8, 32)), jnp.ones((4, 16, 32))
+    step = lambda fn: lambda a, b: jax.vjp(fn, a, b)[1](g)  # noqa: E731
+    native = jaxpr_flops(step(batched_matmul), a, b)
+    assert native == jaxpr_flops(step(lambda a, b: reference(a, b, False, False)), a, b)
+    assert native == 3 * 2 * (4 * 16 * 8 * 32)  # the forward and two gradient matmuls
+
+
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="same leading dims"):
         batched_matmul(jnp.ones((2, 3, 4)), jnp.ones((3, 4, 5)))

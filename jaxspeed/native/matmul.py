@@ -3,10 +3,11 @@
 On CPU, for fp32 operands, it runs jaxspeed's native kernel (`batched_matmul.cc`: one
 single-threaded OpenBLAS GEMM per batch element, spread over XLA's intra-op thread pool).
 Everywhere else it is the same `jnp.einsum` XLA would run. The choice is made per call:
-  - at trace time: fp32 operands, the native library available (see `build.py`), and no mesh
-    axis that XLA would still have to partition (every axis of the current mesh, and of the
-    operands' shardings, is manual, as inside `shard_map`, or of size 1). XLA's partitioner
-    cannot split a custom call: it would gather the operands and compute on every device.
+  - at trace time: fp32 operands, CPU as JAX's default backend, the native library available
+    (see `build.py`), and no mesh axis that XLA would still have to partition (every axis of
+    the current mesh, and of the operands' shardings, is manual, as inside `shard_map`, or of
+    size 1). XLA's partitioner cannot split a custom call: it would gather the operands and
+    compute on every device.
   - at lowering time: the CPU platform (`jax.lax.platform_dependent`), so the same program
     lowers for a GPU with XLA's dot.
 Gradients are batched matmuls again (with the transposes swapped), so they take the same path
@@ -48,7 +49,8 @@ def use_native(a, b) -> bool:
     f32 = jnp.dtype(jnp.float32)
     meshes = (jax.sharding.get_abstract_mesh(), _mesh_of(a), _mesh_of(b))
     return (jnp.result_type(a) == f32 and jnp.result_type(b) == f32
-            and all(map(_all_manual, meshes)) and build.available())
+            and jax.default_backend() == "cpu" and all(map(_all_manual, meshes))
+            and build.available())
 
 
 def _mesh_of(x):
@@ -65,7 +67,10 @@ def _all_manual(mesh) -> bool:
 
 
 def _varying(x) -> frozenset:
-    return jax.typeof(x).mat.varying
+    """The manual mesh axes `x` varies over (empty outside `shard_map`)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax 0.10: the manual-axis type; earlier: `vma`
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
 def _vary_alike(*xs):
