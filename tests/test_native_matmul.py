@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspeed.native import batched_matmul, build, use_native
 
-TARGET = build.TARGET
+TARGET = build.BATCHED
 
 
 def normal(rng, *shape):
@@ -176,7 +176,7 @@ def test_bad_shapes_are_named():
 
 def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
-    with pytest.raises(build.NativeUnavailable, match="compiling batched_matmul.cc failed"):
+    with pytest.raises(build.NativeUnavailable, match="compiling matmul.cc failed"):
         build.build(tmp_path / "lib.so")
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
 

@@ -5,7 +5,8 @@ Three ways to run `E` expert FFNs on routed tokens:
     GShard/DeepSpeed/Tutel layout, and what expert parallelism's all-to-all moves). On CPU, in
     fp32, they run jaxspeed's native kernel (`jaxspeed.native.batched_matmul`);
   - `dropless_ffn`: the `T * k` (token, choice) rows sorted by expert and multiplied with
-    `jax.lax.ragged_dot` (MegaBlocks-style grouped matmul). Shapes are static (`[T * k, M]`)
+    `jaxspeed.native.grouped_matmul` (`jax.lax.ragged_dot`, or the native kernel on CPU; a
+    MegaBlocks-style grouped matmul). Shapes are static (`[T * k, M]`)
     whatever the routing, nothing is ever dropped and no FLOPs go to padding slots;
   - dynamic capacity (Tutel's `capacity_factor <= 0`): `capacity_buckets` picks a few static
     capacities up to a cap, and `switch_on_capacity` runs the capacity-buffer path with the
@@ -29,7 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspeed.native import batched_matmul
+from jaxspeed.native import batched_matmul, grouped_matmul
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 
@@ -130,8 +131,9 @@ def dropless_ffn(x, expert_index, weight, params: ExpertParams, activation: str 
     """Mixture-of-experts FFN without capacity: every (token, choice) is computed.
 
     The `T * k` (token, choice) rows are sorted by expert (stable, so each expert sees its
-    tokens in order) and the experts run as two grouped matmuls (`jax.lax.ragged_dot`) with
-    the per-expert counts as group sizes. All shapes are static.
+    tokens in order) and the experts run as two grouped matmuls (`jax.lax.ragged_dot`, native
+    on CPU: `jaxspeed.native.grouped_matmul`) with the per-expert counts as group sizes. All
+    shapes are static.
 
     Args:
       x: `[T, M]` tokens.
@@ -162,13 +164,12 @@ def dropless_ffn(x, expert_index, weight, params: ExpertParams, activation: str 
     group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
 
     def project(w, b):
-        h = jax.lax.ragged_dot(rows, w.astype(x.dtype), group_sizes, preferred_element_type=f32)
+        h = grouped_matmul(rows, w.astype(x.dtype), group_sizes)  # [T*k, H], fp32
         return h if b is None else h + b.astype(f32)[sorted_expert]
 
     h_gate = project(params.w_gate, None) if activation == "swiglu" else None
     h = _activate(project(params.w_in, params.b_in), h_gate, activation).astype(x.dtype)
-    out = jax.lax.ragged_dot(h, params.w_out.astype(x.dtype), group_sizes,
-                             preferred_element_type=f32)
+    out = grouped_matmul(h, params.w_out.astype(x.dtype), group_sizes)
     if params.b_out is not None:
         out = out + params.b_out.astype(f32)[sorted_expert]
     out = out.astype(x.dtype).astype(f32)  # rounded like the capacity path's expert outputs

@@ -1,4 +1,4 @@
-"""Builds, caches and registers jaxspeed's native XLA:CPU kernels (`batched_matmul.cc`).
+"""Builds, caches and registers jaxspeed's native XLA:CPU kernels (`matmul.cc`).
 
 The C++ source is compiled on first use with the system's C++ compiler against JAX's FFI
 headers (`jax.ffi.include_dir()`) and the OpenBLAS of the `scipy-openblas32` wheel. The
@@ -29,10 +29,13 @@ from pathlib import Path
 
 import jax
 
-SOURCE = Path(__file__).with_name("batched_matmul.cc")
-#: The FFI target name of the batched matmul on the CPU platform.
-TARGET = "jaxspeed_batched_matmul"
-_SYMBOL = "JaxspeedBatchedMatmul"
+SOURCE = Path(__file__).with_name("matmul.cc")
+#: FFI target names (CPU platform) of the kernels in `matmul.cc`.
+BATCHED = "jaxspeed_batched_matmul"
+GROUPED = "jaxspeed_grouped_matmul"
+GROUPED_OUTER = "jaxspeed_grouped_outer"
+_SYMBOLS = {BATCHED: "JaxspeedBatchedMatmul", GROUPED: "JaxspeedGroupedMatmul",
+            GROUPED_OUTER: "JaxspeedGroupedOuter"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -74,7 +77,7 @@ def library_path() -> Path:
     for part in (SOURCE.read_bytes(), jax.__version__.encode(), blas_version.encode(),
                  os.environ.get("CXX", "c++").encode(), " ".join(_FLAGS).encode()):
         key.update(part + b"\0")
-    return cache_dir() / "native" / f"batched_matmul-{key.hexdigest()[:16]}.so"
+    return cache_dir() / "native" / f"matmul-{key.hexdigest()[:16]}.so"
 
 
 def build(path: Path) -> Path:
@@ -110,8 +113,9 @@ def load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise NativeUnavailable(f"loading {path} failed ({e})") from e
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)),
-                                platform="cpu")
+    for target, symbol in _SYMBOLS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
     return lib
 
 

@@ -21,9 +21,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 
 from jaxspeed.native import build
+from jaxspeed.native.policy import ffi_call, use_native, vary_alike
 
 
 def batched_matmul(a, b, *, trans_a: bool = False, trans_b: bool = False):
@@ -40,48 +40,8 @@ def batched_matmul(a, b, *, trans_a: bool = False, trans_b: bool = False):
     trans_a, trans_b = bool(trans_a), bool(trans_b)
     _check_shapes(a, b, trans_a, trans_b)
     if use_native(a, b):
-        return _native(*_vary_alike(a, b), trans_a, trans_b)
+        return _native(*vary_alike(a, b), trans_a, trans_b)
     return _xla(a, b, trans_a=trans_a, trans_b=trans_b)
-
-
-def use_native(a, b) -> bool:
-    """Whether `batched_matmul(a, b)` takes the native kernel (when lowered for CPU)."""
-    f32 = jnp.dtype(jnp.float32)
-    meshes = (jax.sharding.get_abstract_mesh(), _mesh_of(a), _mesh_of(b))
-    return (jnp.result_type(a) == f32 and jnp.result_type(b) == f32
-            and jax.default_backend() == "cpu" and all(map(_all_manual, meshes))
-            and build.available())
-
-
-def _mesh_of(x):
-    """The mesh in `x`'s type (under `jit`, inputs sharded over a mesh carry it)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    return getattr(sharding, "mesh", None)
-
-
-def _all_manual(mesh) -> bool:
-    """No axis of `mesh` left for XLA's partitioner: each is manual or of size 1."""
-    return mesh is None or mesh.empty or all(
-        kind == AxisType.Manual or size == 1
-        for kind, size in zip(mesh.axis_types, mesh.axis_sizes))
-
-
-def _varying(x) -> frozenset:
-    """The manual mesh axes `x` varies over (empty outside `shard_map`)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax 0.10: the manual-axis type; earlier: `vma`
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def _vary_alike(*xs):
-    """Marks every operand varying over the union of their manual axes (inside `shard_map`).
-
-    The custom call's result and gradients vary over all of them, and `custom_vjp` wants each
-    cotangent typed like its primal; the `pcast` (whose transpose is a `psum`) makes them so.
-    """
-    axes = frozenset().union(*map(_varying, xs))
-    return [x if _varying(x) == axes else
-            jax.lax.pcast(x, tuple(sorted(axes - _varying(x))), to="varying") for x in xs]
 
 
 def _check_shapes(a, b, trans_a: bool, trans_b: bool) -> None:
@@ -106,10 +66,8 @@ def _ffi(a, b, *, trans_a: bool, trans_b: bool):
     n = b.shape[-2] if trans_b else b.shape[-1]
     out = jax.ShapeDtypeStruct((*a.shape[:-2], m, n), jnp.float32)
     # Under vmap the new dim is one more leading (batch) dim of both operands.
-    call = jax.ffi.ffi_call(build.TARGET, out, vmap_method="broadcast_all")
-    result = call(a, b, trans_a=trans_a, trans_b=trans_b)
-    axes = _varying(a)  # == _varying(b) (see `_vary_alike`); the call's type drops it
-    return jax.lax.pcast(result, tuple(sorted(axes)), to="varying") if axes else result
+    return ffi_call(build.BATCHED, out, a, b, vmap_method="broadcast_all", trans_a=trans_a,
+                    trans_b=trans_b)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
