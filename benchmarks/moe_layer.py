@@ -274,12 +274,12 @@ def run_case(case: dict, num_experts: int, hidden: int, repeats: int) -> dict:
 
 
 def native_kernel_status() -> str:
-    """Whether jaxspeed's native CPU batched matmul is in use here (it falls back to XLA's)."""
+    """Whether jaxspeed's native CPU kernels are in use here (they fall back to XLA's)."""
     from jaxspeed.native import build
 
     if build.available():
-        return "native CPU kernel (jaxspeed.native.batched_matmul)"
-    return "XLA's dot (the native kernel is off or unavailable)"
+        return "native CPU kernels (jaxspeed.native)"
+    return "XLA's ops (the native kernels are off or unavailable)"
 
 
 def use_one_cpu_device() -> str:

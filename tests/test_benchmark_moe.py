@@ -1,7 +1,8 @@
 """The MoE benchmarks run (`--quick`) and print well-formed result lines; no speed target is checked.
 
-`benchmarks/moe_layer.py --quick` and `benchmarks/gpu_moe.py --quick` (its CPU check: tiny
-sizes, kernels interpreted) each run in their own process from the repository root.
+`benchmarks/moe_layer.py --quick`, `benchmarks/moe_dropless.py --quick` and
+`benchmarks/gpu_moe.py --quick` (its CPU check: tiny sizes, kernels interpreted) each run in
+their own process from the repository root.
 """
 
 import pytest
@@ -23,6 +24,14 @@ def test_moe_layer_quick_run_prints_result_lines():
         assert obj["native_kernel"].startswith("native CPU kernel")  # built here, in use
         assert obj["ratio_xla_dot"] == pytest.approx(
             obj["baseline"] / obj["jaxspeed_xla_dot_ms"], rel=1e-2)
+
+
+@pytest.mark.slow
+def test_moe_dropless_quick_run_prints_a_result_line():
+    (headline,) = run_quick("moe_dropless")
+    check_result(headline, "moe_dropless")
+    assert headline["native_kernel"].startswith("native CPU kernel")
+    assert headline["max_rel_diff_out"] <= 1e-4 and headline["norm_rel_diff_grads"] <= 1e-3
 
 
 @pytest.mark.slow
