@@ -7,7 +7,11 @@ process (or another pytest worker) loads it without compiling; two processes com
 each write their own file and the last `os.replace` wins.
 
 When anything is missing (no compiler, no OpenBLAS, a compile error), the kernels are simply
-unavailable: callers fall back to XLA's own dot, with one warning that says why.
+unavailable: callers fall back to XLA's own ops, with one warning that says why.
+
+Loading the library sets the `scipy-openblas32` OpenBLAS to one thread (the kernels spread
+their GEMMs over XLA's thread pool instead). NumPy and SciPy bundle OpenBLAS copies of their
+own, which this does not touch.
 
 Environment:
   JAXSPEED_NATIVE=0    never build or use the native kernels (XLA's dot everywhere).

@@ -40,6 +40,10 @@ const int kOpenBlasSingleThreaded = (scipy_openblas_set_num_threads(1), 0);
 // Rows of C per task are never split below this (a thinner GEMM loses more than it gains).
 constexpr int64_t kMinRowsPerTask = 32;
 
+ffi::Unexpected<ffi::Error> Invalid(const char* message) {
+  return ffi::Unexpected(ffi::Error::InvalidArgument(message));
+}
+
 struct Shape {
   int64_t batch, m, n, k;
 };
@@ -48,19 +52,19 @@ ffi::ErrorOr<Shape> InferShape(ffi::Span<const int64_t> a, ffi::Span<const int64
                                ffi::Span<const int64_t> c, bool trans_a, bool trans_b) {
   const size_t rank = a.size();
   if (rank < 2 || b.size() != rank || c.size() != rank) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument("batched_matmul: A, B and C need the same rank >= 2"));
+    return Invalid("batched_matmul: A, B and C need the same rank >= 2");
   }
   Shape s{1, trans_a ? a[rank - 1] : a[rank - 2], trans_b ? b[rank - 2] : b[rank - 1],
           trans_a ? a[rank - 2] : a[rank - 1]};
   for (size_t i = 0; i + 2 < rank; ++i) {
     if (a[i] != b[i] || a[i] != c[i]) {
-      return ffi::Unexpected(ffi::Error::InvalidArgument("batched_matmul: batch dimensions differ"));
+      return Invalid("batched_matmul: batch dimensions differ");
     }
     s.batch *= a[i];
   }
   const int64_t k_b = trans_b ? b[rank - 1] : b[rank - 2];
   if (k_b != s.k || c[rank - 2] != s.m || c[rank - 1] != s.n) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument("batched_matmul: contracting or output sizes differ"));
+    return Invalid("batched_matmul: contracting or output sizes differ");
   }
   return s;
 }
@@ -115,7 +119,8 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t total, F task) {
 // least two tasks per thread (never blocks thinner than kMinRowsPerTask).
 int64_t RowSplits(ffi::ThreadPool& pool, int64_t items, int64_t rows) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t wanted = std::max<int64_t>(1, (2 * threads + items - 1) / std::max<int64_t>(1, items));
+  items = std::max<int64_t>(1, items);
+  const int64_t wanted = std::max<int64_t>(1, (2 * threads + items - 1) / items);
   return std::max<int64_t>(1, std::min(wanted, rows / kMinRowsPerTask));
 }
 
@@ -168,13 +173,12 @@ ffi::ErrorOr<std::vector<int64_t>> GroupStarts(ffi::Buffer<ffi::S32> sizes, int6
   const int32_t* n = sizes.typed_data();
   for (int64_t g = 0; g < groups; ++g) {
     if (n[g] < 0) {
-      return ffi::Unexpected(ffi::Error::InvalidArgument("grouped matmul: negative group size"));
+      return Invalid("grouped matmul: negative group size");
     }
     starts[g + 1] = starts[g] + n[g];
   }
   if (starts[groups] > rows) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        "grouped matmul: the group sizes add up to more rows than lhs has"));
+    return Invalid("grouped matmul: the group sizes add up to more rows than lhs has");
   }
   return starts;
 }
@@ -200,7 +204,8 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> lhs,
   std::fill(C + filled * n, C + rows * n, 0.0f);  // rows past the last group are zero
   if (filled == 0 || n == 0) return ffi::Error::Success();
 
-  const int64_t splits = RowSplits(pool, groups, (rows + groups - 1) / std::max<int64_t>(1, groups));
+  const int64_t mean_rows = (rows + groups - 1) / std::max<int64_t>(1, groups);
+  const int64_t splits = RowSplits(pool, groups, mean_rows);
   const float* A = lhs.typed_data();
   const float* B = rhs.typed_data();
   ParallelFor(pool, groups * splits, [=, &starts](int64_t t) {

@@ -1,15 +1,9 @@
 """`batched_matmul`: `op(a) @ op(b)` over leading batch dimensions, fp32 accumulation.
 
-On CPU, for fp32 operands, it runs jaxspeed's native kernel (`batched_matmul.cc`: one
-single-threaded OpenBLAS GEMM per batch element, spread over XLA's intra-op thread pool).
-Everywhere else it is the same `jnp.einsum` XLA would run. The choice is made per call:
-  - at trace time: fp32 operands, CPU as JAX's default backend, the native library available
-    (see `build.py`), and no mesh axis that XLA would still have to partition (every axis of
-    the current mesh, and of the operands' shardings, is manual, as inside `shard_map`, or of
-    size 1). XLA's partitioner cannot split a custom call: it would gather the operands and
-    compute on every device.
-  - at lowering time: the CPU platform (`jax.lax.platform_dependent`), so the same program
-    lowers for a GPU with XLA's dot.
+On CPU, for fp32 operands, it runs jaxspeed's native kernel (`matmul.cc`: one single-threaded
+OpenBLAS GEMM per batch element, spread over XLA's intra-op thread pool); where that does not
+apply (`policy.py`: other dtypes, GPUs, meshes XLA still partitions) it is the same
+`jnp.einsum` XLA would run.
 Gradients are batched matmuls again (with the transposes swapped), so they take the same path
 (reverse mode to any order). Forward mode (`jax.jvp`, `jax.jacfwd`) is not available on the
 native path, as for any `custom_vjp`; `JAXSPEED_NATIVE=0` gives XLA's dot everywhere.
