@@ -187,7 +187,8 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> lhs,
                              ffi::Buffer<ffi::F32> rhs, ffi::Buffer<ffi::S32> sizes,
                              ffi::ResultBuffer<ffi::F32> out, bool trans_b) {
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out->dimensions();
-  if (ld.size() != 2 || rd.size() != 3 || od.size() != 2 || static_cast<int64_t>(sizes.element_count()) != rd[0]) {
+  const int64_t groups_given = sizes.element_count();
+  if (ld.size() != 2 || rd.size() != 3 || od.size() != 2 || groups_given != rd[0]) {
     return ffi::Error::InvalidArgument("grouped matmul: lhs [N, K], rhs [G, ., .], sizes [G]");
   }
   const int64_t rows = ld[0], k = ld[1], groups = rd[0];
