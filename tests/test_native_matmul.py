@@ -194,6 +194,13 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch):
         build._loads.cache_clear()
 
 
+def test_an_unwritable_cache_is_a_clear_reason(tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    with pytest.raises(build.NativeUnavailable, match="point JAXSPEED_CACHE_DIR"):
+        build.build(not_a_folder / "native" / "lib.so")
+
+
 def test_cache_key_follows_the_source_and_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXSPEED_CACHE_DIR", str(tmp_path))
     first = build.library_path()

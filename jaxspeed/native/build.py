@@ -86,8 +86,12 @@ def library_path() -> Path:
 
 def build(path: Path) -> Path:
     """Compiles the library to `path` (atomically), raising `NativeUnavailable` on failure."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=path.parent)
+    except OSError as e:
+        raise NativeUnavailable(f"cannot write to the cache folder {path.parent} ({e}); "
+                                f"point JAXSPEED_CACHE_DIR at a writable folder") from e
     os.close(fd)
     try:
         try:
@@ -134,7 +138,7 @@ def _loads() -> bool:
     try:
         load()
     except NativeUnavailable as e:
-        warnings.warn(f"jaxspeed's native CPU kernels are unavailable, XLA's dot is used "
+        warnings.warn(f"jaxspeed's native CPU kernels are unavailable, XLA's own ops are used "
                       f"instead: {e}", RuntimeWarning, stacklevel=3)
         return False
     return True
