@@ -9,6 +9,11 @@ steps 5–19 (0-based, i.e. after 5 steps of compile and warm-up) as total token
 The baseline is MaxText's published figure for this model on these machines, 5,100 tokens/s.
 MaxText is not installed here, so it is not re-run: the figure is a constant. Headline:
 ratio = jaxspeed tokens/s / 5,100.
+
+The run also reports the machine's ceiling for this model: the best fp32 matmul rate measured
+here (XLA's and OpenBLAS's, all cores) over the step's matmul FLOPs per token
+(`Engine.step_flops`, rematerialised passes included). No trainer can run faster than that on
+this machine, whatever its overheads.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE.parent), str(_HERE)]
 
@@ -28,9 +35,12 @@ import _common  # noqa: E402
 NAME = "throughput"
 CONFIG = _common.ROOT / "configs" / "bench_tiny_llama.yaml"
 MAXTEXT_TOKENS_PER_S = 5100.0
-FULL = {"steps": 20, "skip": 5, "overrides": []}
+FULL = {"steps": 20, "skip": 5, "overrides": [], "peak_sizes": (2048, 4096)}
 # A shorter sequence, a smaller slice of the corpus and fewer steps: same code path, seconds.
-QUICK = {"steps": 4, "skip": 2, "overrides": ["data.seq_len=64", "data.max_bytes=400000"]}
+QUICK = {
+    "steps": 4, "skip": 2, "overrides": ["data.seq_len=64", "data.max_bytes=400000"],
+    "peak_sizes": (256,),
+}
 
 
 def aggregate(records: list[dict], *, tokens_per_step: int, skip: int) -> tuple[float, int]:
@@ -55,6 +65,48 @@ def aggregate(records: list[dict], *, tokens_per_step: int, skip: int) -> tuple[
     return tokens_per_step * steps / seconds, steps
 
 
+def matmul_peak_gflops(sizes: tuple[int, ...], *, repeats: int = 3) -> dict[str, float]:
+    """The best square fp32 matmul rate on this machine, in GFLOP/s, over `sizes`.
+
+    Both XLA's dot (one device; XLA:CPU spreads it over all cores) and numpy's OpenBLAS (all
+    cores) are timed, each at its best of `repeats` calls after one untimed call.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def best_seconds(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    rates = {"xla": 0.0, "openblas": 0.0}
+    matmul = jax.jit(jnp.matmul)
+    rng = np.random.default_rng(0)
+    for n in sizes:
+        a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+        ja, jb = jnp.asarray(a), jnp.asarray(b)
+        flops = 2 * n**3
+        rates["xla"] = max(rates["xla"], flops / best_seconds(
+            lambda: matmul(ja, jb).block_until_ready()) / 1e9)
+        rates["openblas"] = max(rates["openblas"], flops / best_seconds(lambda: a @ b) / 1e9)
+    return rates
+
+
+def roofline(*, flops_per_token: float, peak_gflops: float, tokens_per_s: float) -> dict:
+    """What the machine allows: tokens/s at `peak_gflops`, and the rates the figures need."""
+    return {
+        "flops_per_token": flops_per_token,
+        "matmul_peak_gflops": round(peak_gflops, 1),
+        "ceiling_tokens_per_s": round(peak_gflops * 1e9 / flops_per_token, 1),
+        "achieved_gflops": round(tokens_per_s * flops_per_token / 1e9, 1),
+        "baseline_needs_gflops": round(MAXTEXT_TOKENS_PER_S * flops_per_token / 1e9, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="seq 64, 4 steps (tests)")
@@ -72,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from jaxspeed.config import load_config, resolve_batch
+    from jaxspeed.engine import initialize
     from jaxspeed.mesh import data_parallel_size, make_mesh
     from jaxspeed.train_loop import train
 
@@ -84,16 +137,22 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(CONFIG, overrides=overrides)
     batch = resolve_batch(config, data_parallel_size(make_mesh(config.mesh)))
     tokens_per_step = batch.train_batch_size * config.data.seq_len
+    flops_per_token = initialize(config).step_flops() / tokens_per_step
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="jaxspeed-throughput-") as out:
         train(config, output_dir=out, steps=steps, progress=False)
         lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
     wall = time.perf_counter() - start
+    # After training, so that OpenBLAS's idle worker threads cannot slow the timed steps.
+    peaks = matmul_peak_gflops(case["peak_sizes"])
     records = [json.loads(line) for line in lines if line.strip()]
     tokens_per_s, counted = aggregate(records, tokens_per_step=tokens_per_step, skip=skip)
     first_s = tokens_per_step / float(records[0]["tokens_per_second"])
     r = _common.ratio(tokens_per_s, MAXTEXT_TOKENS_PER_S)
+    roof = roofline(
+        flops_per_token=flops_per_token, peak_gflops=max(peaks.values()), tokens_per_s=tokens_per_s
+    )
 
     m = config.model
     variant = " ".join(args.overrides) or "as configured"
@@ -117,7 +176,15 @@ def main(argv: list[str] | None = None) -> int:
             ["jaxspeed train", tokens_per_s],
             ["MaxText (published)", MAXTEXT_TOKENS_PER_S],
             ["ratio (jaxspeed / MaxText)", r],
+            ["machine ceiling (matmul peak / FLOPs per token)", roof["ceiling_tokens_per_s"]],
         ],
+    )
+    print(
+        f"\nRoofline: {flops_per_token / 1e6:.2f} MFLOP per token (matmuls, remat included). "
+        f"Best fp32 matmul here: XLA {peaks['xla']:.1f}, OpenBLAS {peaks['openblas']:.1f} "
+        f"GFLOP/s (sizes {', '.join(map(str, case['peak_sizes']))}). jaxspeed runs at "
+        f"{roof['achieved_gflops']} GFLOP/s; {MAXTEXT_TOKENS_PER_S:,.0f} tokens/s would need "
+        f"{roof['baseline_needs_gflops']} GFLOP/s."
     )
     print()
     _common.print_json(_common.result(
@@ -130,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         steps=steps, steps_counted=counted, tokens_per_step=tokens_per_step,
         step_ms=round(1e3 * tokens_per_step / tokens_per_s, 2), first_step_s=round(first_s, 2),
         baseline_source="MaxText published figure (not re-run; MaxText not installed)",
+        matmul_peak_gflops_by_library={k: round(v, 1) for k, v in peaks.items()},
+        **roof,
     ))
     return 0
 

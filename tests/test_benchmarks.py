@@ -94,6 +94,26 @@ def test_throughput_aggregates_total_tokens_over_total_time():
     assert tokens_per_s == pytest.approx(300 / 5)  # not the mean of the rates (75)
 
 
+def test_throughput_roofline_divides_the_matmul_peak_by_flops_per_token():
+    roofline = load_benchmark("throughput").roofline
+    roof = roofline(flops_per_token=40e6, peak_gflops=120.0, tokens_per_s=1500.0)
+    assert roof["ceiling_tokens_per_s"] == pytest.approx(3000.0)
+    assert roof["achieved_gflops"] == pytest.approx(60.0)
+    assert roof["baseline_needs_gflops"] == pytest.approx(5100 * 40e6 / 1e9)
+
+
+@pytest.mark.slow
+def test_throughput_quick_run_reports_the_machine_ceiling():
+    headline = run_quick("throughput")[-1]
+    peaks = headline["matmul_peak_gflops_by_library"]
+    assert set(peaks) == {"xla", "openblas"} and min(peaks.values()) > 0
+    assert headline["matmul_peak_gflops"] == max(peaks.values())
+    # Model matmuls alone are 6 x 4.33M params per token; attention and remat add to that.
+    assert headline["flops_per_token"] > 6 * 4_325_376
+    expected = headline["matmul_peak_gflops"] * 1e9 / headline["flops_per_token"]
+    assert headline["ceiling_tokens_per_s"] == pytest.approx(expected, rel=1e-3)
+
+
 @pytest.mark.parametrize(
     "stage, expected", [(0, 16_000), (1, 4_000 + 1_500), (2, 2_000 + 1_750), (3, 2_000)]
 )
