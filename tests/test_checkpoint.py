@@ -184,6 +184,21 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     assert steps[-2:] == [saved + 1, saved + 2]
 
 
+def _steps_of_a_live_run(ckpt_dir) -> list[int]:
+    """The complete steps in `ckpt_dir` while a run writes there (none before it exists).
+
+    The run deletes old steps (`checkpoint.keep`) as it saves new ones, so a step can vanish
+    between Orbax listing the folder and reading the step's metadata: then list again.
+    """
+    while True:
+        if not ckpt_dir.exists():
+            return []
+        try:
+            return Checkpointer(ckpt_dir).all_steps()
+        except FileNotFoundError:
+            time.sleep(0.1)
+
+
 @pytest.mark.slow
 def test_kill_during_async_save_loses_nothing_complete(tmp_path):
     """kill -9 while async saves run every step: the restart resumes from the last complete one."""
@@ -198,7 +213,7 @@ def test_kill_during_async_save_loses_nothing_complete(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt_dir = run_dir / "checkpoints"
     deadline = time.time() + 240
-    while time.time() < deadline and len(Checkpointer(ckpt_dir).all_steps() if ckpt_dir.exists() else []) < 2:
+    while time.time() < deadline and len(_steps_of_a_live_run(ckpt_dir)) < 2:
         time.sleep(0.5)
     time.sleep(1.3)  # land somewhere inside the next saves
     proc.kill()
