@@ -11,7 +11,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +122,24 @@ def timed(fn, args, *, iters: int, rounds: int) -> float:
         jax.block_until_ready(out)
         per_call.append((time.perf_counter() - start) / iters)
     return statistics.median(per_call) * 1e3
+
+
+def interleaved_seconds(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Wall seconds of each call, `repeats` times, interleaved (A B, B A, A B, ...).
+
+    Each timed call follows an untimed call of the same function, as in a training loop: the
+    allocator is then as that function left it, not as the other one did (a step that frees
+    hundreds of MiB would otherwise make the next, different step pay for the pages).
+    Results are waited for with `jax.block_until_ready`.
+    """
+    import jax
+
+    order = list(calls)
+    times: dict[str, list[float]] = {name: [] for name in order}
+    for i in range(repeats):
+        for name in order if i % 2 == 0 else order[::-1]:
+            jax.block_until_ready(calls[name]())  # untimed: the allocator as the call left it
+            start = time.perf_counter()
+            jax.block_until_ready(calls[name]())
+            times[name].append(time.perf_counter() - start)
+    return times

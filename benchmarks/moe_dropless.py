@@ -17,9 +17,9 @@ Headline: ratio = ragged_dot time / native time.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
-import time
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -77,13 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             and grad_diff <= moe_layer.NATIVE_NORM_TOLERANCE):
         raise SystemExit(f"native and ragged_dot differ: out {out_diff}, gradients {grad_diff}")
 
-    times = {name: [] for name in calls}
-    for i in range(repeats):
-        for name in list(calls) if i % 2 == 0 else list(calls)[::-1]:
-            jax.block_until_ready(calls[name](*inputs))
-            start = time.perf_counter()
-            jax.block_until_ready(calls[name](*inputs))
-            times[name].append(time.perf_counter() - start)
+    times = _common.interleaved_seconds(
+        {name: functools.partial(call, *inputs) for name, call in calls.items()}, repeats)
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
     flops = 3 * 2 * 2 * tokens * 2 * case["d_model"] * case["hidden"]  # 2 GEMMs, fwd + 2 grads
     print()

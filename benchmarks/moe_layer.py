@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -141,8 +142,6 @@ def fwd_bwd(layer):
 
 def steps(case: dict, *, impl: str = "xla"):
     """The jitted forward+backward steps: jaxspeed (twice, see `NATIVE`) and the einsums."""
-    import functools
-
     opts = dict(k=case["k"], capacity_factor=case["capacity_factor"])
     return {"jaxspeed": fwd_bwd(functools.partial(jaxspeed_layer, impl=impl, **opts)),
             # its own `jit`: a shared one would reuse the native trace from its cache
@@ -246,19 +245,11 @@ def run_case(case: dict, num_experts: int, hidden: int, repeats: int) -> dict:
     x, _, params, _ = args
     buffers = jax.random.normal(jax.random.key(1), (num_experts, routing.capacity, x.shape[1]),
                                 x.dtype)
-    calls = {name: (compiled[name], args) for name in fns}
-    calls["ffn"] = (ffn_step().lower(buffers, params, buffers).compile(),
-                    (buffers, params, buffers))
-    jax.block_until_ready(calls["ffn"][0](*calls["ffn"][1]))
-    order = list(calls)
-    times = {name: [] for name in order}
-    for i in range(repeats):
-        for name in order if i % 2 == 0 else order[::-1]:
-            fn, fn_args = calls[name]
-            jax.block_until_ready(fn(*fn_args))  # untimed: the allocator as the step left it
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*fn_args))
-            times[name].append(time.perf_counter() - start)
+    calls = {name: functools.partial(compiled[name], *args) for name in fns}
+    calls["ffn"] = functools.partial(ffn_step().lower(buffers, params, buffers).compile(),
+                                     buffers, params, buffers)
+    jax.block_until_ready(calls["ffn"]())
+    times = _common.interleaved_seconds(calls, repeats)
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
     return {
         "experts": num_experts, "hidden": hidden, "capacity": routing.capacity,
