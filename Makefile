@@ -1,5 +1,6 @@
 # `make train` and `make test` each set up .venv first when it is missing or stale.
-PYTHON ?= python3
+# jax >= 0.11 needs Python >= 3.12: tools/find_python.sh finds one (PYTHON=... picks it), and a
+# .venv built on an older Python is rebuilt.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -11,8 +12,12 @@ TRAIN_ARGS ?=
 
 install: $(STAMP)
 
+# Expanded only when the stamp is rebuilt; with no Python new enough, make stops with one line.
+VENV_OK = $(shell $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && echo yes)
+BASE_PY = $(shell PYTHON='$(PYTHON)' tools/find_python.sh 2>&1)
+
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(if $(VENV_OK),,$(eval BASE := $(BASE_PY))$(if $(filter /%,$(BASE)),rm -rf $(VENV) && $(BASE) -m venv $(VENV),$(error $(BASE))))
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)

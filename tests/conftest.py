@@ -1,21 +1,58 @@
 """Test setup: 8 emulated CPU devices, set before JAX is imported anywhere.
 
-The tests compile hundreds of small programs, and on CPU compiling is most of their time, so
-XLA's backend optimizations and fusion emitters are off (about 3x faster, measured on
-tests/test_pipeline_engine.py: 117 s against 411 s). SPMD partitioning, and so every sharding
-and collective, is unaffected, and the tests that compare compiled memory sizes (remat,
-pipeline schedules, offload, fit) hold at this level too. Subprocesses (examples,
-benchmarks, the CLI) inherit these flags.
+The tests compile hundreds of small programs, and on CPU compiling is most of their time, so by
+default XLA's backend optimizations are off (`--xla_backend_optimization_level=0`). SPMD
+partitioning, and so every sharding and collective, is unaffected, and the tests that compare
+compiled memory sizes (remat, pipeline schedules, offload, fit) hold at this level too.
+
+`JAXSPEED_TEST_XLA_OPT=default` runs the suite at XLA's default optimisation level instead.
+Its other fusions sum floats in another order, which stands in for another CPU: every
+comparison of two programs must hold at both levels (see `tests/numerics.py`).
+
+A flag that the installed jaxlib does not know aborts the process, so the fast-compile flags
+are checked once, in a child process, before they are set; an unknown one stops the run with a
+message naming it. Subprocesses (examples, benchmarks, the CLI) inherit the flags.
 """
 
 import os
+import subprocess
+import sys
 
-#: XLA flags that make compiling fast.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+import pytest
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
-).strip()
+#: XLA flags that make compiling fast (used unless JAXSPEED_TEST_XLA_OPT=default).
+FAST_COMPILE = ("--xla_backend_optimization_level=0",)
+DEVICES = "--xla_force_host_platform_device_count=8"
+_CHECKED = "_JAXSPEED_TEST_FLAGS_CHECKED"  # set once the controller has checked the flags
+
+
+def _opt_flags() -> tuple[str, ...]:
+    level = os.environ.get("JAXSPEED_TEST_XLA_OPT", "fast")
+    if level not in ("fast", "default"):
+        pytest.exit(f"JAXSPEED_TEST_XLA_OPT must be 'fast' or 'default', got {level!r}", returncode=4)
+    return FAST_COMPILE if level == "fast" else ()
+
+
+def _check_flags_accepted(flags: str) -> None:
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices()"],
+        env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"},
+        capture_output=True, text=True, timeout=300,
+    )
+    if probe.returncode != 0:
+        tail = (probe.stderr.strip().splitlines() or ["(no output)"])[-1].split("] ")[-1]
+        pytest.exit(
+            f"this jaxlib rejects the test XLA flags {flags!r}: {tail}. "
+            "Set JAXSPEED_TEST_XLA_OPT=default to run without the fast-compile flags.",
+            returncode=4,
+        )
+
+
+_flags = " ".join((os.environ.get("XLA_FLAGS", ""), DEVICES, *_opt_flags())).strip()
+if not os.environ.get(_CHECKED):
+    _check_flags_accepted(_flags)
+    os.environ[_CHECKED] = "1"
+os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -1,0 +1,107 @@
+"""Tolerances for comparing two programs that compute the same math in a different order.
+
+Another mesh, another ZeRO stage, a pipeline, a kernel, XLA's fusion at another optimisation
+level, or another CPU's vector width all add the same floats in another order. Such programs
+agree only up to rounding, and how far is a property of the arithmetic, not of the machine the
+test was first run on. The tolerances here come from one stated model:
+
+1. **A reordered sum** (Higham & Mary, "A new approach to probabilistic rounding error
+   analysis", SISC 2019, Thm 2.4). Rounding errors of a sum of `n` terms behave as independent,
+   mean-zero variables, so with probability at least `1 - 2 exp(-LAMBDA**2 / 2)` the computed
+   sum is within `LAMBDA * sqrt(n) * u * sum|terms|` of the exact one (`u`: the unit roundoff,
+   2**-24 for fp32). Two programs are each that close, so they agree to twice it. LAMBDA = 6
+   makes a miss a one-in-10**8 event per sum; the worst case, `n * u`, is reached only by
+   adversarial inputs and would hide real bugs in the tests' small models.
+2. **A chain of reductions.** A forward and backward pass chains `depth` reductions (matmuls,
+   softmax and norm sums, the loss mean), each of at most `width` terms. To first order their
+   rounding errors add, and being independent they add as one sum of `depth * width` roundings
+   would: two whole programs agree to `2 * LAMBDA * sqrt(depth * width) * u`, relative to the
+   magnitudes involved. Those are taken as the largest magnitude of the compared array (the
+   terms of a sum are no larger than the values they produce, up to the conditioning of the
+   model, which is benign in these tests), so the comparison is elementwise with
+   `atol = rtol * max|want|`.
+3. **Adam** magnifies a gradient's relative error where the gradient itself is at rounding
+   level: its step `lr * m / (sqrt(v) + eps)` does not depend on the gradient's scale, so there
+   a step can flip by up to `2 * lr`, while elsewhere a relative gradient error `rho` moves it
+   by about `rho * lr`. Coordinates with `|g| < rho * max|g|` are a fraction of about `4 * rho`
+   of a leaf (a bell-shaped gradient's largest value is ~4 standard deviations), so each leaf's
+   params are compared in norm after `steps` steps, `N` values a leaf:
+   `|p - p_ref|_2 <= steps * lr * sqrt(N) * (rho + 2 * sqrt(4 * rho))`.
+
+Exact equality stays where two programs are the same program (a resume, the same mesh).
+"""
+
+from __future__ import annotations
+
+import math
+
+import chex
+import jax
+import numpy as np
+
+#: Confidence multiplier of the probabilistic bound (miss probability ~ 2 exp(-18) per sum).
+LAMBDA = 6.0
+
+#: Unit roundoff per dtype name.
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11, "float64": 2.0**-53}
+
+
+def sum_rtol(n: int, dtype: str = "float32") -> float:
+    """Relative distance (of `sum|terms|`) between two orders of one sum of `n` terms."""
+    return 2.0 * LAMBDA * math.sqrt(max(n, 1)) * UNIT_ROUNDOFF[str(np.dtype(dtype))]
+
+
+def program_rtol(*, width: int, depth: int, dtype: str = "float32") -> float:
+    """Relative distance between two orders of a program of `depth` chained reductions.
+
+    Args:
+      width: the number of terms of the program's widest reduction (a matmul's contraction, the
+        tokens a weight gradient or the loss sums over).
+      depth: how many reductions are chained from the inputs to the compared value.
+      dtype: the dtype the sums accumulate in.
+    """
+    return sum_rtol(depth * width, dtype)
+
+
+def assert_close(got, want, *, rtol: float) -> None:
+    """Elementwise `|got - want| <= rtol * (|want| + max|want|)`, leaf by leaf."""
+
+    def check(a, e):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        scale = float(np.abs(e).max()) if e.size else 0.0
+        chex.assert_trees_all_close(a, e, rtol=rtol, atol=rtol * scale)
+
+    jax.tree.map(check, jax.device_get(got), jax.device_get(want))
+
+
+def adam_params_atol(*, steps: int, lr: float, rho: float, size: int) -> float:
+    """Bound on `|p - p_ref|_2` of one leaf of `size` values after `steps` Adam steps at `lr`,
+    when the two runs' gradients differ by a relative `rho` (model point 3)."""
+    return steps * lr * math.sqrt(size) * (rho + 2.0 * math.sqrt(4.0 * rho))
+
+
+def assert_adam_params_close(got, want, *, steps: int, lr: float, rho: float) -> None:
+    """Each leaf of `got` is within `adam_params_atol` of `want`, in the 2-norm."""
+
+    def check(path, a, e):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        err = float(np.linalg.norm(a - e))
+        bound = adam_params_atol(steps=steps, lr=lr, rho=rho, size=e.size)
+        assert err <= bound, (
+            f"{jax.tree_util.keystr(path)}: |params - reference|_2 = {err:.3g} > {bound:.3g} "
+            f"(steps={steps}, lr={lr}, rho={rho:.3g}, size={e.size})"
+        )
+
+    jax.tree_util.tree_map_with_path(check, jax.device_get(got), jax.device_get(want))
+
+
+def gpt_rtol(*, tokens: int, d_model: int, d_ff: int, n_layers: int, vocab: int) -> float:
+    """`program_rtol` of a reference GPT's loss and gradients on `tokens` tokens per step.
+
+    Width: the widest sum (a weight gradient and the loss mean over the tokens, a matmul over
+    `d_ff`, the softmax over `vocab`). Depth: per layer, 8 reductions forward (2 norms, qkv,
+    scores, softmax, context, out-projection, the MLP's two matmuls counted as one chain with
+    its activation), plus the embedding, final norm, head and loss; the backward pass chains
+    two more products per forward reduction.
+    """
+    return program_rtol(width=max(tokens, d_model, d_ff, vocab), depth=3 * (8 * n_layers + 4))
