@@ -40,14 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:  # Varying -> Invariant all-gather: the result is typed as equal on all workers.
-    _all_gather_invariant = jax.lax.all_gather_invariant  # type: ignore[attr-defined]
-except AttributeError:  # jax 0.10 keeps it private.
-    try:
-        from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
-    except ImportError:  # pragma: no cover - other jax versions: a varying result.
-        _all_gather_invariant = jax.lax.all_gather
-
 AxisName = str | tuple[str, ...] | None
 
 _BITS = np.array([128, 64, 32, 16, 8, 4, 2, 1], np.uint8)  # big-endian, like np.packbits
@@ -252,7 +244,8 @@ def compressed_allreduce(
     if axis_name is None:
         gathered = reply[None]
     else:
-        gathered = _all_gather_invariant(reply, axis_name)  # u8 [N, B]
+        # Invariant result: shard_map knows the mean is the same on every worker.
+        gathered = jax.lax.all_gather(reply, axis_name, to="invarying")  # u8 [N, B]
 
     server_scales = _bytes_to_scales(gathered[:, sign_bytes:])  # [N, L]
     mean = unpack_signs(gathered[:, :sign_bytes]) * cols.spread(server_scales)  # [N, total]
