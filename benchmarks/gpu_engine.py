@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import jax
 
-    if jax.devices()[0].platform != "gpu":
+    from pallas_kernels import _backend
+
+    if not _backend.on_gpu():
         raise SystemExit(f"gpu_engine needs a GPU; JAX sees {jax.devices()}")
     case = dict(GPU_CASE)
     if args.quick:

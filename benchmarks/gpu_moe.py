@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    from pallas_kernels import _backend
+
+    on_gpu = _backend.on_gpu()
     if not on_gpu and not cpu_check:
         raise SystemExit(f"this benchmark needs an NVIDIA GPU (JAX's backend is "
                          f"{jax.default_backend()!r}); `--cpu-check` runs it at tiny sizes on "

@@ -163,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    from pallas_kernels import _backend
+
+    on_gpu = _backend.on_gpu()
     if not on_gpu and not args.quick:
         raise SystemExit(f"this benchmark needs a GPU (JAX's backend is "
                          f"{jax.default_backend()!r}); `--quick` runs a tiny case anywhere")

@@ -28,10 +28,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._backend import on_gpu
+
 #: Finite "minus infinity" for masked logits: exp2 of it is 0 and it never makes NaNs.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
-_GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
 
 def check_layout(layout, *, num_heads: int, seq_len: int, causal: bool) -> np.ndarray:
@@ -332,7 +333,7 @@ def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
         blocks = blocks[:1]
     block = seq_len // blocks.shape[1]
     if interpret is None:
-        interpret = jax.default_backend() not in _GPU_BACKENDS
+        interpret = not on_gpu()
     if not interpret and (block < 16 or block & (block - 1)):
         raise ValueError(
             f"the compiled (Triton) kernel needs a block size that is a power of 2 and >= 16, "

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_GPU_BACKENDS = ("gpu", "cuda", "rocm")
+from pallas_kernels._backend import on_gpu
+
 #: Tokens (combine) or slots (dispatch) handled by one program, at most.
 BLOCK_ROWS = 32
 #: Feature columns handled by one program, at most (a power of 2).
@@ -286,7 +287,7 @@ def _check_routing(expert_index, position, num_tokens, *, weight=None):
 
 
 def _default_interpret(interpret):
-    return jax.default_backend() not in _GPU_BACKENDS if interpret is None else bool(interpret)
+    return not on_gpu() if interpret is None else bool(interpret)
 
 
 def moe_dispatch(x, expert_index, position, num_experts: int, capacity: int, *,

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._backend import on_gpu
 from pallas_kernels.block_sparse_attention import block_sparse_attention as _pallas_attention
 from pallas_kernels.block_sparse_attention import check_layout
 
@@ -50,7 +51,7 @@ def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "xla"
+        impl = "pallas" if on_gpu() else "xla"
     if impl == "pallas":
         return _pallas_attention(q, k, v, layout, causal=causal, sm_scale=sm_scale)
     _check_qkv(q, k, v)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxspeed.moe.gating import Routing
 from pallas_kernels import moe_kernels as kernels
+from pallas_kernels._backend import on_gpu
 
 IMPLS = ("auto", "pallas", "xla")
 
@@ -33,7 +34,7 @@ def _resolve_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "xla"
+        return "pallas" if on_gpu() else "xla"
     return impl
 
 
