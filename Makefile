@@ -8,7 +8,7 @@ CONFIG ?= configs/gpt_tiny.yaml
 OUTPUT ?= runs/gpt_tiny
 TRAIN_ARGS ?=
 
-.PHONY: install train test test-fast plan clean
+.PHONY: install train test test-fast test-jax-min plan clean
 
 install: $(STAMP)
 
@@ -31,8 +31,21 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -m "not slow"
 
+# The oldest supported JAX (the lent GPU machine's 0.11.2), in a venv of its own: a smoke subset
+# of the tests and the GPU dry run (every kernel lowered for cuda, the GPU scripts' CPU checks).
+JAX_MIN    := 0.11.2
+VENV_MIN   ?= .venv-jax$(JAX_MIN)
+SMOKE      ?= tests/test_mesh.py tests/test_onebit.py tests/test_moe_parallel.py tests/test_pipeline.py \
+              tests/test_offload.py::test_host_update_matches_device_update
+test-jax-min: $(STAMP)
+	test -x $(VENV_MIN)/bin/python || $$($(PY) -c 'import sys; print(sys.executable)') -m venv $(VENV_MIN)
+	$(VENV_MIN)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_MIN)/bin/python -m pip install --quiet -e '.[test]' jax==$(JAX_MIN) jaxlib==$(JAX_MIN)
+	$(VENV_MIN)/bin/python -m pytest -n 2 --dist loadfile $(SMOKE)
+	PYTHON=$(VENV_MIN)/bin/python benchmarks/gpu_suite.sh --dry-run
+
 plan: $(STAMP)
 	$(VENV)/bin/jaxspeed plan configs/gpt_tp2_zero3.yaml --cpu-devices 8
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_MIN) runs .pytest_cache
