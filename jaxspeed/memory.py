@@ -36,7 +36,7 @@ def _compiled_stats(compiled) -> dict[str, int]:
     names = ("argument", "output", "alias", "temp", "generated_code")
     stats = {name: int(getattr(analysis, f"{name}_size_in_bytes")) for name in names}
     for name in ("argument", "output", "alias", "temp"):
-        stats[f"host_{name}"] = int(getattr(analysis, f"host_{name}_size_in_bytes", 0) or 0)
+        stats[f"host_{name}"] = int(getattr(analysis, f"host_{name}_size_in_bytes"))
     return stats
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
 
 from jaxspeed.precision import cast_floating
@@ -47,15 +48,14 @@ def to_host(tree, shardings):
 
 
 def run_on_host(fn: Callable[..., Any], *args):
-    """Runs `fn(*args)` as a host computation (XLA `compute_on("device_host")`).
+    """Runs `fn(*args)` as a host computation (ZeRO-Offload's CPU-Adam).
 
-    Every operand must already be in host memory. `compute_on` is a context manager in JAX
-    0.10–0.11 and a decorator in later versions; a `contextlib` context manager is also a
-    decorator, so wrapping `fn` covers both.
+    Every operand must already be in host memory, and every output stays there
+    (`out_memory_spaces`, a prefix of the outputs' pytree): callers move what the device
+    needs with `to_device` or `jax.device_put`.
     """
-    from jax.experimental.compute_on import compute_on
-
-    return compute_on("device_host")(fn)(*args)
+    host_fn = compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    return host_fn(*args)
 
 
 def in_host(x) -> bool:
