@@ -17,12 +17,13 @@ of 1 block each per device: the same 8-block model, 2 blocks per device) and M m
     kept for the backward, plus the cotangent buffers and the gradient accumulators.
     This counts the gradient accumulators (the size of the stage weights, the same for every
     schedule) as activations, so the GPipe / 1F1B ratio is, if anything, understated.
-  - residual bytes (ideal): the per-microbatch residuals of one stage (what `jax.vjp` of the
-    stage keeps, from the jaxpr) times the microbatches one device holds at once: M for
-    gpipe, S for 1f1b (the residual ring buffer of the execution plan). Measured on top:
-    gpipe stacks residuals for all M + S - 1 steps of its forward scan; 1f1b holds two more
-    microbatches' worth (the step's slot read from the ring and the one written to it), and
-    both hold gradient accumulators and the weights' transposes (stage-weight sized).
+  - residual bytes (ideal): what one device must hold for the backward at once. gpipe: M x
+    the per-microbatch autodiff residuals of one stage (measured: the temp growth per
+    iteration of `grad` through a plain `lax.scan` of the stage). 1f1b: its ring of S stage
+    inputs (the execution plan's `res_slots`) plus one microbatch's residuals, those of the
+    stage its backward recomputes. Measured on top: gpipe stacks residuals for all M + S - 1
+    steps of its forward scan, and both hold gradient accumulators and the weights'
+    transposes (stage-weight sized).
   - bubble: idle fraction of the schedule table (`bubble_fraction(schedule_table(...))`).
   - step ms: median wall time of the compiled step (noisy: the CPU cores are shared; the
     devices are emulated, so the bubble does not show as idle time).
@@ -131,18 +132,41 @@ def compile_step(case: dict, schedule: str, v: int, microbatches: int, *, train:
     return compiled, args
 
 
-def residual_bytes_per_microbatch(case: dict, v: int) -> int:
-    """Bytes of one stage's per-microbatch vjp residuals on one device (rows / data)."""
+@functools.cache
+def residual_bytes_per_microbatch(case_items: tuple, v: int) -> int:
+    """Bytes autodiff keeps per microbatch for one stage on one device (rows / data rows):
+    the temp growth per iteration of `grad` through a plain `lax.scan` of the stage, the
+    weights loop-invariant (measured, not read from JAX's internals)."""
     import jax
     import jax.numpy as jnp
 
-    from jaxspeed.pipeline.spmd import _StageVJP
-
+    case = dict(case_items)
+    stage = make_stage(case["blocks"] // v)
     params, _, _, _ = problem(case, v, 1)
-    one = jax.tree.map(lambda a: a[0], params)
-    x = jnp.zeros((case["rows"] // DATA, case["width"]), jnp.float32)
-    stored = _StageVJP(make_stage(case["blocks"] // v), one, x).stored_shapes
-    return sum(s.size * s.dtype.itemsize for s in stored)
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+
+    def temp(microbatches):
+        def loss(p, xs):
+            return jnp.sum(jax.lax.scan(lambda c, x: (c, stage(p, x)), None, xs)[1])
+
+        xs = jax.ShapeDtypeStruct((microbatches, case["rows"] // DATA, case["width"]),
+                                  jnp.float32)
+        step = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(one, xs).compile()
+        return step.memory_analysis().temp_size_in_bytes
+
+    return (temp(8) - temp(4)) // 4
+
+
+def ideal_residual_bytes(case_items: tuple, schedule: str, v: int, microbatches: int):
+    """What one device must hold for the backward at once (None for interleaved)."""
+    per_microbatch = residual_bytes_per_microbatch(case_items, v)
+    if schedule == "gpipe":
+        return microbatches * per_microbatch
+    if schedule == "1f1b":
+        case = dict(case_items)
+        stage_input = case["rows"] // DATA * case["width"] * 4  # fp32
+        return STAGES * stage_input + per_microbatch
+    return None
 
 
 def time_step(compiled, args, repeats: int) -> float:
@@ -176,12 +200,10 @@ def run_case(case: dict, schedule: str, v: int, microbatches: int, repeats: int)
     case_items = tuple((k, v_) for k, v_ in case.items() if k != "microbatches")
     forward_temp = forward_temp_bytes(case_items, schedule, v, microbatches)
     table = schedule_table(schedule, STAGES, microbatches, virtual_stages=v)
-    in_flight = {"gpipe": microbatches, "1f1b": STAGES}.get(schedule)
     return {
         "schedule": schedule, "v": v, "microbatches": microbatches,
         "temp": temp, "forward_temp": forward_temp, "activation": temp - forward_temp,
-        "ideal_residual": (residual_bytes_per_microbatch(case, v) * in_flight
-                           if in_flight else None),
+        "ideal_residual": ideal_residual_bytes(case_items, schedule, v, microbatches),
         "bubble": bubble_fraction(table),
         "bubble_formula": (STAGES - 1) / (v * microbatches + STAGES - 1),
         "step_ms": time_step(compiled, args, repeats),

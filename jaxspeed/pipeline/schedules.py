@@ -215,7 +215,8 @@ class ExecutionPlan(NamedTuple):
       act_read: slot of the received activation a forward consumes.
       act_recv: slot that stores the activation arriving from the previous device at the
         end of the step.
-      res_slot: slot of the vjp residuals a forward stores and its backward consumes.
+      res_slot: slot of the stage input a forward stores and its backward consumes (the
+        backward recomputes the stage forward from it).
       grad_read: slot of the output cotangent a backward consumes.
       grad_recv: slot that stores the cotangent arriving from the next device.
       grad_self: slot where a last-stage forward stores the loss cotangent.
