@@ -25,14 +25,15 @@ def config(*overrides):
 
 
 @functools.cache
-def dataset():
-    return TokenDataset.from_config(config().data, seed=0)
+def dataset(seed=0):
+    return TokenDataset.from_config(config().data, seed=seed)
 
 
-def run(engine, state, start, steps):
+def run(engine, state, start, steps, *, data_seed=0):
     losses = []
     for step in range(start, start + steps):
-        state, metrics = engine.train_step(state, dataset().batch(step, global_batch=16))
+        batch = dataset(data_seed).batch(step, global_batch=16)
+        state, metrics = engine.train_step(state, batch)
         losses.append(float(metrics["loss"]))
     return state, losses
 
@@ -98,17 +99,47 @@ def test_what_it_does_not_combine_with_is_a_clear_error(overrides, match):
         js.initialize(config(*ONEBIT, *overrides))
 
 
+#: Seeds of the convergence test (each is the init key and the data seed), and the bound on the
+#: mean over them of 1-bit Adam's relative final-loss gap to Adam (see the test's docstring).
+CONVERGENCE_SEEDS = (0, 1, 2)
+CONVERGENCE_MEAN_GAP = 0.05
+
+
 @pytest.mark.slow
 def test_converges_like_adam():
-    """300 steps, freeze at 20%: the final loss within 3% of Adam's (same data and seed)."""
-    final = {}
-    for name in ("Adam", "OneBitAdam"):
-        cfg = config(f"optimizer.type={name}", "optimizer.params={lr: 0.003, freeze_step: 60}"
-                     if name == "OneBitAdam" else "optimizer.params={lr: 0.003}")
-        engine = js.initialize(cfg)
-        _, losses = run(engine, engine.init(jax.random.key(0)), 0, 300)
-        final[name] = np.mean(losses[-20:])
-    assert abs(final["OneBitAdam"] - final["Adam"]) <= 0.03 * final["Adam"], final
+    """300 steps, freeze at 20%: over 3 seeds, the final loss is on average within 5% of Adam's.
+
+    The final loss is the mean of the last 20 steps' losses, Adam and 1-bit Adam see the same
+    data and init for a seed, and the gap is `(onebit - adam) / adam`. One seed's gap is not a
+    property of 1-bit Adam: it moves by several percent with the float sum order (another
+    jaxlib, XLA optimisation level or CPU). Measured (jax 0.12 at -O0 and at XLA's default
+    level, jax 0.11.2 at both; `--xla_cpu_max_isa=AVX2` changed no result):
+
+    - correct, 25 seeds on jax 0.12 at -O0: median +1.7%, range -0.9% to +7.0% (10 seeds at
+      the default level: median +1.4%, up to +6.2%). Over the four configurations seed 0 gave
+      -0.05% to +0.4% (+3.1% on jax 0.10.2 on an AVX-512 CPU), seed 1 -0.2% to +0.3%, seed 2
+      +3.3% to +7.6% (there 1-bit Adam trails Adam from the freeze on).
+    - the mean over seeds 0, 1, 2: +1.2% to +2.5% in the four configurations.
+    - broken: without server error feedback the mean is +6.6% (-O0) and +6.9% (default);
+      without any error feedback +92% and +187%; a step that stops at the freeze +20.5%.
+
+    5% is twice the largest correct mean and below the subtlest broken variant. A single seed
+    would need a bound near 15% (twice its worst case), loose enough to pass the missing server
+    error feedback.
+    """
+    engines = {
+        name: js.initialize(config(f"optimizer.type={name}", f"optimizer.params={{{params}}}"))
+        for name, params in (("Adam", "lr: 0.003"), ("OneBitAdam", "lr: 0.003, freeze_step: 60"))
+    }
+    gaps = []
+    for seed in CONVERGENCE_SEEDS:
+        final = {}
+        for name, engine in engines.items():
+            _, losses = run(engine, engine.init(jax.random.key(seed)), 0, 300, data_seed=seed)
+            final[name] = np.mean(losses[-20:])
+        gaps.append((final["OneBitAdam"] - final["Adam"]) / final["Adam"])
+    per_seed = dict(zip(CONVERGENCE_SEEDS, np.round(gaps, 4).tolist()))
+    assert abs(np.mean(gaps)) <= CONVERGENCE_MEAN_GAP, per_seed
 
 
 def test_each_worker_draws_its_own_randomness(monkeypatch):
