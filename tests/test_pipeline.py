@@ -4,7 +4,6 @@ import functools
 import itertools
 import re
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +19,7 @@ from jaxspeed.pipeline.schedules import (
     schedule_table,
 )
 from jaxspeed.pipeline.spmd import spmd_pipeline
+from numerics import assert_close, program_rtol
 
 
 
@@ -134,6 +134,9 @@ def test_schedule_errors_name_the_argument(args, kwargs, match):
 # --- The SPMD pipeline against the sequential stages. ---------------------------------------
 
 D, H, ROWS = 8, 16, 4  # width, hidden width, rows per microbatch
+#: Pipelined vs sequential (tests/numerics.py): sums over up to 32 x 4 rows (weight gradients),
+#: chained through up to 8 stages of 2 matmuls, the loss, and the backward's two products each.
+RTOL = program_rtol(width=32 * ROWS, depth=3 * (2 * 8 + 2))
 
 
 def _mesh(pipe, *others):
@@ -212,7 +215,7 @@ def _check_outputs_and_grads(schedule, pipe, microbatches, v=1):
         )
 
     got = jax.jit(_outputs_and_grads(piped))(params, x, proj)
-    chex.assert_trees_all_close(got, _reference_outputs(params, x, proj), rtol=1e-5, atol=1e-6)
+    assert_close(got, _reference_outputs(params, x, proj), rtol=RTOL)
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,7 +239,7 @@ def _check_loss_and_grads(schedule, pipe, microbatches, v=1):
     """Loss mode: for `1f1b` / `interleaved` the F/B-interleaved custom_vjp path."""
     compiled, (params, x, head, targets) = _loss_program(schedule, pipe, microbatches, v)
     want = _reference_loss(params, x, head, targets)
-    chex.assert_trees_all_close(compiled(params, x, head), want, rtol=1e-5, atol=1e-6)
+    assert_close(compiled(params, x, head), want, rtol=RTOL)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -313,7 +316,7 @@ def test_pipeline_composes_with_tensor_and_data_sharding():
         compiled = step.lower(params, x, head).compile()
         got = compiled(jax.device_put(params, shardings), jax.device_put(x, batch), head)
     want = _reference_loss(params, x, head, targets)
-    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_close(got, want, rtol=RTOL)
     # Tensor-parallel partial sums inside a stage: all-reduces over the pairs {0,1}, {2,3}, ...
     tensor_groups = r"replica_groups=(\{\{0,1\},\{2,3\}|\[4,2\]<=\[8\])"
     assert re.search(r"all-reduce\([^\n]*" + tensor_groups, compiled.as_text())

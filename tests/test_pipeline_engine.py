@@ -2,7 +2,6 @@
 
 import functools
 
-import chex
 import jax
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import jaxspeed as js
 from jaxspeed.data import TokenDataset
 from jaxspeed.errors import ConfigError
 from jaxspeed.mesh import AXES
+from numerics import assert_adam_params_close, gpt_rtol
 
 TINY = [
     "model.vocab_size=256", "model.d_model=32", "model.n_layers=4", "model.n_heads=2",
@@ -19,6 +19,8 @@ TINY = [
     "train_batch_size=16",
 ]
 MICRO = 4
+#: Two orders of the tiny GPT's step agree to this (tests/numerics.py).
+RHO = gpt_rtol(tokens=16 * 16, d_model=32, d_ff=64, n_layers=4, vocab=256)
 THREE_D = ["mesh.pipe=2", "mesh.data=2", "mesh.tensor=2", f"pipeline.num_microbatches={MICRO}"]
 
 
@@ -66,10 +68,8 @@ def test_3d_training_equals_one_device(stage, schedule):
     assert layer_spec[0] == "pipe" and "tensor" in layer_spec
     state, losses = train(engine, engine.init(jax.random.key(0)), 5)
     ref_state, ref_losses = single_device_run()
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    chex.assert_trees_all_close(
-        jax.device_get(state.params), jax.device_get(ref_state.params), rtol=1e-5, atol=1e-6
-    )
+    np.testing.assert_allclose(losses, ref_losses, rtol=RHO)
+    assert_adam_params_close(state.params, ref_state.params, steps=5, lr=0.003, rho=RHO)
 
 
 @pytest.mark.slow
@@ -91,7 +91,7 @@ def test_checkpoint_crosses_pipeline_sizes(tmp_path, first, second):
 
     other = js.initialize(config(*meshes[second], f"checkpoint.dir={tmp_path}"))
     _, other_losses = train(other, other.restore(), 2, start=2)
-    np.testing.assert_allclose(other_losses, continued, rtol=1e-6)
+    np.testing.assert_allclose(other_losses, continued, rtol=RHO)  # another mesh: reordered sums
 
 
 @pytest.mark.parametrize(
