@@ -1,6 +1,6 @@
 """jaxspeed: JAX/XLA-native parallel training; every parallelism is a sharding XLA compiles."""
 
-from jaxspeed import attention, distributed, export, moe, native, optim, pipeline, sharding
+from jaxspeed import attention, distributed, export, moe, optim, pipeline, sharding
 from jaxspeed.config import Config, load_config
 from jaxspeed.engine import Engine, initialize
 from jaxspeed.errors import ConfigError, JaxspeedError
@@ -22,7 +22,6 @@ __all__ = [
     "load_config",
     "make_mesh",
     "moe",
-    "native",
     "optim",
     "pipeline",
     "plan_sharding",

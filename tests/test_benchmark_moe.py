@@ -19,19 +19,20 @@ def test_moe_layer_quick_run_prints_result_lines():
     assert headline["ratio"] == pytest.approx(headline["baseline"] / headline["jaxspeed"],
                                               rel=1e-2)
     for obj in results:  # the layers agreed before timing; memory is deterministic
-        assert obj["max_rel_diff"] <= 1e-4 and obj["native_norm_rel_diff"] <= 1e-3
+        assert obj["max_rel_diff"] <= 1e-4
         assert obj["peak_MiB"]["jaxspeed"] < obj["peak_MiB"]["einsum"]
-        assert obj["native_kernel"].startswith("native CPU kernel")  # built here, in use
-        assert obj["ratio_xla_dot"] == pytest.approx(
-            obj["baseline"] / obj["jaxspeed_xla_dot_ms"], rel=1e-2)
+        assert obj["target_ratio"] == 10.0
 
 
 @pytest.mark.slow
 def test_moe_dropless_quick_run_prints_a_result_line():
     (headline,) = run_quick("moe_dropless")
     check_result(headline, "moe_dropless")
-    assert headline["native_kernel"].startswith("native CPU kernel")
-    assert headline["max_rel_diff_out"] <= 1e-4 and headline["norm_rel_diff_grads"] <= 1e-3
+    assert headline["ratio"] == pytest.approx(headline["baseline"] / headline["jaxspeed"],
+                                              rel=1e-2)
+    assert headline["max_rel_diff"] <= 1e-4  # checked equal to ragged_dot before timing
+    # The busiest expert fits one of the static block sizes, none of which is below it.
+    assert headline["block_rows"] >= headline["busiest_expert_rows"]
 
 
 @pytest.mark.slow

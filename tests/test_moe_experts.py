@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from scipy.special import erf
 
 from jaxspeed.moe import experts
@@ -193,3 +194,27 @@ def test_init_expert_params_shapes():
     plain = jax.eval_shape(lambda key: init_expert_params(key, 4, 8, 16), jax.random.key(0))
     assert plain.w_gate is None and plain.b_in is None
     assert experts.ACTIVATIONS == ("relu", "gelu", "swiglu")
+
+
+
+def test_gelu_gradient_inside_shard_map():
+    """The exact GELU's derivative is written out (`experts._gelu`): jax 0.12's derivative of
+    `lax.erf` fails inside `shard_map`. Gradients equal autodiff of `jax.nn.gelu`."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    p = params_for(4, 2, 4, 8, "gelu", bias=True)
+    x = f32(np.random.default_rng(4).normal(size=(2, 8 * 3, 4)) * 2)
+
+    def local_loss(x, p):  # this device's slots, summed over devices
+        return jax.lax.psum(jnp.sum(jnp.sin(expert_ffn(x, p, activation="gelu"))), "data")
+
+    sharded = jax.shard_map(local_loss, mesh=mesh, in_specs=(P(None, "data"), P()),
+                            out_specs=P())
+
+    def plain(x, p):  # the same FFN, differentiated through jax.nn.gelu
+        h = jax.nn.gelu(jnp.einsum("ecm,emh->ech", x, p.w_in) + p.b_in[:, None],
+                        approximate=False)
+        return jnp.sum(jnp.sin(jnp.einsum("ech,ehm->ecm", h, p.w_out) + p.b_out[:, None]))
+
+    got = jax.jit(jax.grad(sharded, argnums=(0, 1)))(x, p)
+    want = jax.grad(plain, argnums=(0, 1))(x, p)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)

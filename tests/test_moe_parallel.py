@@ -109,6 +109,19 @@ def test_dropless_under_expert_parallelism_equals_single_device():
     chex.assert_trees_all_close(out, ref, **TOL)
 
 
+@pytest.mark.slow
+def test_dropless_under_data_parallelism_equals_single_device():
+    """expert=1: each device runs the dropless grouped matmul on its own groups (per-device
+    group sizes inside the partial-manual `shard_map`), no all-to-all."""
+    ref = single_device(drop_tokens=False)
+    module = MoE(drop_tokens=False, **OPTIONS)
+    params = numpy_params(module)
+    with jax.set_mesh(make_mesh({"data": 8})):
+        out, text = run(module, params, f32(X))
+    assert "all_to_all" not in text
+    chex.assert_trees_all_close(out, ref, **TOL)
+
+
 def test_zero3_plan_shards_experts_over_data_only():
     mesh = make_mesh({"data": 2, "expert": 2, "tensor": 2})
     module = MoE(num_experts=4, d_ff=16, use_residual=True, num_shared_experts=1)

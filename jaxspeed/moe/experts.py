@@ -2,12 +2,11 @@
 
 Three ways to run `E` expert FFNs on routed tokens:
   - `expert_ffn` over dispatched capacity buffers `[E, C, M]`: two batched matmuls (the
-    GShard/DeepSpeed/Tutel layout, and what expert parallelism's all-to-all moves). On CPU, in
-    fp32, they run jaxspeed's native kernel (`jaxspeed.native.batched_matmul`);
-  - `dropless_ffn`: the `T * k` (token, choice) rows sorted by expert and multiplied with
-    `jaxspeed.native.grouped_matmul` (`jax.lax.ragged_dot`, or the native kernel on CPU; a
-    MegaBlocks-style grouped matmul). Shapes are static (`[T * k, M]`)
-    whatever the routing, nothing is ever dropped and no FLOPs go to padding slots;
+    GShard/DeepSpeed/Tutel layout, and what expert parallelism's all-to-all moves);
+  - `dropless_ffn`: the `T * k` (token, choice) rows sorted by expert and multiplied with a
+    grouped matmul (`jaxspeed.moe.grouped.grouped_matmul`: `jax.lax.ragged_dot`'s product as
+    one batched dot over per-expert blocks padded to the busiest expert's rows). Shapes are
+    static (`[T * k, M]`) whatever the routing and nothing is ever dropped;
   - dynamic capacity (Tutel's `capacity_factor <= 0`): `capacity_buckets` picks a few static
     capacities up to a cap, and `switch_on_capacity` runs the capacity-buffer path with the
     smallest bucket that holds the busiest expert, via `lax.switch`.
@@ -30,7 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspeed.native import batched_matmul, grouped_matmul
+from jaxspeed.moe.grouped import grouped_matmul
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 
@@ -97,8 +96,27 @@ def _activate(h_in, h_gate, activation: str):
     if activation == "relu":
         return jax.nn.relu(h_in)
     if activation == "gelu":
-        return jax.nn.gelu(h_in, approximate=False)
+        return _gelu(h_in)
     return jax.nn.silu(h_gate) * h_in
+
+
+@jax.custom_jvp
+def _gelu(x):
+    """`jax.nn.gelu(x, approximate=False)`, with its derivative written out.
+
+    On jax 0.12 the derivative of `lax.erf` fails inside `shard_map` ("Primitive polynomial
+    requires varying manual axes to match": its coefficients do not vary with `x`), and the
+    experts run inside `shard_map` under a mesh. `d/dx x*Phi(x) = Phi(x) + x*phi(x)`.
+    """
+    return jax.nn.gelu(x, approximate=False)
+
+
+@_gelu.defjvp
+def _gelu_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    cdf = 0.5 * jax.lax.erfc(-x * math.sqrt(0.5))
+    pdf = jnp.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+    return _gelu(x), (cdf + x * pdf) * dx
 
 
 def expert_ffn(x, params: ExpertParams, *, activation: str = "gelu"):
@@ -115,13 +133,16 @@ def expert_ffn(x, params: ExpertParams, *, activation: str = "gelu"):
     _check_params(params, activation)
     f32 = jnp.float32
 
+    def matmul(a, w):
+        return jnp.einsum("ecm,emh->ech", a, w.astype(x.dtype), preferred_element_type=f32)
+
     def project(w, b):
-        h = batched_matmul(x, w.astype(x.dtype))  # [E, C, H], fp32
+        h = matmul(x, w)  # [E, C, H], fp32
         return h if b is None else h + b.astype(f32)[:, None, :]
 
     h_gate = project(params.w_gate, None) if activation == "swiglu" else None
     h = _activate(project(params.w_in, params.b_in), h_gate, activation).astype(x.dtype)
-    out = batched_matmul(h, params.w_out.astype(x.dtype))
+    out = matmul(h, params.w_out)
     if params.b_out is not None:
         out = out + params.b_out.astype(f32)[:, None, :]
     return out.astype(x.dtype)
@@ -131,9 +152,9 @@ def dropless_ffn(x, expert_index, weight, params: ExpertParams, activation: str 
     """Mixture-of-experts FFN without capacity: every (token, choice) is computed.
 
     The `T * k` (token, choice) rows are sorted by expert (stable, so each expert sees its
-    tokens in order) and the experts run as two grouped matmuls (`jax.lax.ragged_dot`, native
-    on CPU: `jaxspeed.native.grouped_matmul`) with the per-expert counts as group sizes. All
-    shapes are static.
+    tokens in order) and the experts run as two grouped matmuls
+    (`jaxspeed.moe.grouped.grouped_matmul`, what `jax.lax.ragged_dot` computes) with the
+    per-expert counts as group sizes. All shapes are static.
 
     Args:
       x: `[T, M]` tokens.

@@ -17,7 +17,8 @@ the expert axis), GShard's two all-to-alls move the capacity buffers:
     all_to_all    back to [E, G_l * C, M], then combine per group.
 
 Gradients of the weights replicated over manual axes (the router, and the experts over `data`)
-are summed over devices by `shard_map`'s transpose (the implicit `pvary` becomes a `psum`).
+are summed over devices by `shard_map`'s transpose: where a replicated weight meets per-device
+tokens, JAX inserts `pcast(..., to="varying")`, whose transpose is a `psum`.
 """
 
 from __future__ import annotations

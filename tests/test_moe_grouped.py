@@ -1,6 +1,7 @@
-"""jaxspeed's native CPU grouped matmul (jaxspeed/native/grouped.py): equal to
+"""The grouped matmul of the dropless FFN (jaxspeed/moe/grouped.py): equal to
 `jax.lax.ragged_dot`, forward and gradients, for any group sizes (empty groups, rows past the
-last group), inside `shard_map`, under `vmap`, and lowering for GPU without the CPU kernel.
+last group, a group larger than every block size), to second order, inside `shard_map` and
+under `vmap`.
 """
 
 import functools
@@ -13,9 +14,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.native import build, grouped_matmul
-
-GROUPED, OUTER = build.GROUPED, build.GROUPED_OUTER
+from jaxspeed.moe.grouped import block_capacities, grouped_matmul
 
 
 def normal(rng, *shape):
@@ -33,12 +32,21 @@ def value_and_vjp(fn, lhs, rhs, g):
     return out, vjp(g)
 
 
+def test_block_capacities():
+    # 1, 1.25, 1.5 and 2 times the mean group size, rounded up to a multiple of 8.
+    assert block_capacities(8192, 64) == (128, 160, 192, 256)
+    assert block_capacities(20, 4) == (8, 16)
+    assert block_capacities(6, 1) == (6,)  # never more than the rows
+
+
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("sizes", [
-    (5, 0, 9, 3),        # an empty group, all rows used
+    (5, 0, 9, 3),        # an empty group; the largest fits a block
     (0, 2, 0, 6),        # rows past the last group (come out zero)
-    (17, 0, 0, 0),       # every row to one group
-    (70,),               # one group, enough rows to be split over the threads
+    (4, 4, 4, 4),        # balanced: the smallest block size
+    (17, 0, 0, 0),       # one group larger than every block size: split over blocks
+    (20, 1, 9, 0),       # the same with several groups, one of them split
+    (70,),               # one group
 ])
 def test_equals_ragged_dot_forward_and_gradients(sizes, trans_b):
     rows, k, p = max(17, sum(sizes)), 6, 5
@@ -47,13 +55,21 @@ def test_equals_ragged_dot_forward_and_gradients(sizes, trans_b):
     rhs = normal(rng, len(sizes), *((p, k) if trans_b else (k, p)))
     sizes = jnp.asarray(sizes, jnp.int32)
     fn = lambda x, w: grouped_matmul(x, w, sizes, trans_b=trans_b)  # noqa: E731
-    text = jax.jit(functools.partial(value_and_vjp, fn)).lower(lhs, rhs, g).as_text()
-    assert GROUPED in text and OUTER in text
 
     got = jax.jit(functools.partial(value_and_vjp, fn))(lhs, rhs, g)
     want = value_and_vjp(lambda x, w: reference(x, w, sizes, trans_b), lhs, rhs, g)
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(got[0])[int(sizes.sum()):])  # rows past the groups: zero
+
+
+def test_bf16_operands_accumulate_in_fp32():
+    rng = np.random.default_rng(3)
+    lhs, rhs = normal(rng, 12, 8).astype(jnp.bfloat16), normal(rng, 3, 8, 4).astype(jnp.bfloat16)
+    sizes = jnp.asarray([5, 0, 7], jnp.int32)
+    out, (d_lhs, d_rhs) = jax.jit(functools.partial(
+        value_and_vjp, lambda x, w: grouped_matmul(x, w, sizes)))(lhs, rhs, jnp.ones((12, 4)))
+    assert out.dtype == jnp.float32 and d_lhs.dtype == d_rhs.dtype == jnp.bfloat16
+    chex.assert_trees_all_close(out, reference(lhs, rhs, sizes, False), rtol=1e-2, atol=1e-2)
 
 
 def dense_reference(lhs, rhs, sizes):
@@ -66,11 +82,11 @@ def dense_reference(lhs, rhs, sizes):
     return jnp.where(inside[:, None], jnp.einsum("nk,nkp->np", lhs, per_row), 0.0)
 
 
-def test_gradient_of_a_gradient():
-    """Reverse over reverse runs the outer-product kernel's own gradient (XLA's `ragged_dot`
-    has no second derivative in its right operand)."""
+@pytest.mark.parametrize("sizes", [(3, 0, 5), (9, 0, 0)])
+def test_gradient_of_a_gradient(sizes):
+    """Reverse over reverse (a Hessian-vector product), with and without a split group."""
     rng = np.random.default_rng(0)
-    sizes = jnp.asarray([3, 0, 5], jnp.int32)
+    sizes = jnp.asarray(sizes, jnp.int32)
     lhs, rhs, v = normal(rng, 9, 4), normal(rng, 3, 4, 6), normal(rng, 3, 4, 6)
 
     def hvp(fn):
@@ -117,27 +133,9 @@ def test_vmap_runs_each_problem():
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_lowers_for_gpu_as_ragged_dot():
-    lhs = jax.ShapeDtypeStruct((16, 8), jnp.float32)
-    rhs = jax.ShapeDtypeStruct((4, 8, 32), jnp.float32)
-    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
-    g = jax.ShapeDtypeStruct((16, 32), jnp.float32)
-
-    def step(x, w, s, g):
-        return value_and_vjp(lambda x, w: grouped_matmul(x, w, s), x, w, g)
-
-    text = jax.jit(step).trace(lhs, rhs, sizes, g).lower(lowering_platforms=("cuda",)).as_text()
-    assert GROUPED not in text and OUTER not in text and "ragged_dot" in text
-
-
 def test_bad_input():
     x, w = jnp.ones((6, 4)), jnp.ones((2, 4, 3))
     with pytest.raises(ValueError, match="group_sizes"):
         grouped_matmul(x, w, jnp.ones((3,), jnp.int32))
     with pytest.raises(ValueError, match="contracting sizes differ"):
         grouped_matmul(x, w, jnp.ones((2,), jnp.int32), trans_b=True)
-    # Group sizes are run-time values: too many rows is the kernel's error, not a wrong answer.
-    with pytest.raises(Exception, match="add up to more rows than lhs has"):
-        jax.block_until_ready(jax.jit(grouped_matmul)(x, w, jnp.asarray([4, 3], jnp.int32)))
-    with pytest.raises(Exception, match="negative group size"):
-        jax.block_until_ready(jax.jit(grouped_matmul)(x, w, jnp.asarray([-1, 3], jnp.int32)))
