@@ -279,6 +279,8 @@ def top_k_gating(logits, k: int, capacity_factor: float = 1.0, *, min_capacity: 
     aux_loss = num_experts * jnp.sum(jnp.mean(gates, axis=0) * jnp.mean(top1, axis=0))
     z = jax.nn.logsumexp(logits, axis=-1)
     z_loss = z_loss_coef * jnp.mean(jnp.square(z))
-    dropped = 1.0 - jnp.mean(kept.astype(jnp.float32))
+    # The dropped choices' mean, not 1 - the kept ones': exactly 0 without drops (XLA may
+    # fuse `1 - sum * (1 / n)` into an FMA, which left -3e-8 for n = 96).
+    dropped = jnp.mean(jnp.logical_not(kept).astype(jnp.float32))
     return Routing(expert_index, position, weight, int(capacity), aux_loss, z_loss, counts,
                    dropped)
