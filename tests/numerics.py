@@ -16,10 +16,11 @@ test was first run on. The tolerances here come from one stated model:
    softmax and norm sums, the loss mean), each of at most `width` terms. To first order their
    rounding errors add, and being independent they add as one sum of `depth * width` roundings
    would: two whole programs agree to `2 * LAMBDA * sqrt(depth * width) * u`, relative to the
-   magnitudes involved. Those are taken as the largest magnitude of the compared array (the
+   magnitudes involved. Those are taken as the largest magnitude of the compared array: the
    terms of a sum are no larger than the values they produce, up to the conditioning of the
-   model, which is benign in these tests), so the comparison is elementwise with
-   `atol = rtol * max|want|`.
+   model, which is benign in these tests (but for Adam's constants, point 3, and values that
+   cancel their terms, such as a compression's error, compared at the terms' magnitude). So
+   the comparison is elementwise with `atol = rtol * max|want|`.
 3. **Adam** magnifies a gradient's relative error where the gradient itself is at rounding
    level: its step `lr * m / (sqrt(v) + eps)` does not depend on the gradient's scale, so there
    a step can flip by up to `2 * lr`, while elsewhere a relative gradient error `rho` moves it
@@ -27,6 +28,16 @@ test was first run on. The tolerances here come from one stated model:
    of a leaf (a bell-shaped gradient's largest value is ~4 standard deviations), so each leaf's
    params are compared in norm after `steps` steps, `N` values a leaf:
    `|p - p_ref|_2 <= steps * lr * sqrt(N) * (rho + 2 * sqrt(4 * rho))`.
+   Against a float64 oracle Adam's constants add to `rho`: `b1` and `b2` round to fp32
+   (relative `u`) and the bias corrections `1 - b**t` magnify that up to `b / (1 - b)` times
+   (999 for `b2 = 0.999`), which the update reads through `m_hat` and `sqrt(v_hat)`
+   (`adam_constants_rtol`).
+4. **Low-precision compute.** Matmuls with bf16/fp16 operands accumulate in fp32 (the
+   kernels ask for it; XLA's CPU and GPU dots do it), so their sums round as point 2 says in
+   fp32. The low precision enters where a value is cast to bf16/fp16 (an input, a matmul's
+   output, the probabilities before `p @ v`): one rounding of each term, a reduction of width 1
+   in that dtype. `casts` such roundings chained from the inputs to the compared value add, as
+   point 2, to `sum_rtol(casts, dtype)` on top of the fp32 program's rtol (`mixed_rtol`).
 
 Exact equality stays where two programs are the same program (a resume, the same mesh).
 """
@@ -95,6 +106,13 @@ def assert_adam_params_close(got, want, *, steps: int, lr: float, rho: float) ->
     jax.tree_util.tree_map_with_path(check, jax.device_get(got), jax.device_get(want))
 
 
+def adam_constants_rtol(*, b1: float, b2: float) -> float:
+    """Relative error of an fp32 Adam update against a float64 oracle from rounding `b1` and
+    `b2` to fp32: `1 - b**t` magnifies it by at most `b / (1 - b)` (at `t = 1`); the update is
+    proportional to `m_hat` and to `1 / sqrt(v_hat)` (model point 3)."""
+    return (b1 / (1 - b1) + 0.5 * b2 / (1 - b2)) * UNIT_ROUNDOFF["float32"]
+
+
 def gpt_rtol(*, tokens: int, d_model: int, d_ff: int, n_layers: int, vocab: int) -> float:
     """`program_rtol` of a reference GPT's loss and gradients on `tokens` tokens per step.
 
@@ -105,3 +123,15 @@ def gpt_rtol(*, tokens: int, d_model: int, d_ff: int, n_layers: int, vocab: int)
     two more products per forward reduction.
     """
     return program_rtol(width=max(tokens, d_model, d_ff, vocab), depth=3 * (8 * n_layers + 4))
+
+
+def mixed_rtol(*, width: int, depth: int, casts: int, dtype: str) -> float:
+    """`program_rtol` of an fp32-accumulating program whose values are rounded to `dtype`
+    (bf16/fp16) `casts` times on the chain from its inputs to the compared value (model point 4).
+
+    Args:
+      width, depth: the fp32 sums, as for `program_rtol`.
+      casts: the roundings to `dtype` on the way (inputs, outputs of ops computed in `dtype`).
+      dtype: the low-precision dtype.
+    """
+    return program_rtol(width=width, depth=depth) + sum_rtol(casts, dtype)

@@ -18,6 +18,7 @@ import jaxspeed as js
 from jaxspeed.checkpoint import Checkpointer, CheckpointError
 from jaxspeed.data import TokenDataset
 from jaxspeed.train_loop import NonFiniteLoss, train
+from numerics import gpt_rtol
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -89,7 +90,9 @@ def test_restore_onto_another_mesh_and_stage(tmp_path, dataset, saved, restored)
     for arr, sharding in zip(jax.tree.leaves(moved), jax.tree.leaves(moved_engine.state_shardings)):
         assert arr.sharding.is_equivalent_to(sharding, arr.ndim)
     _, moved_losses = run(moved_engine, moved, dataset, 3)
-    np.testing.assert_allclose(moved_losses, never_moved, rtol=1e-6)
+    # Another mesh and stage sum in another order (tests/numerics.py): 8 x 16 tokens a step.
+    rho = gpt_rtol(tokens=8 * 16, d_model=32, d_ff=64, n_layers=2, vocab=256)
+    np.testing.assert_allclose(moved_losses, never_moved, rtol=rho)
 
 
 def test_incompatible_checkpoint_names_the_leaf(tmp_path):

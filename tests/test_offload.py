@@ -14,6 +14,7 @@ from jaxspeed.errors import ConfigError
 from jaxspeed.memory import HOST_NOTE, STREAM_NOTE, host_bytes
 from jaxspeed.models import build_gpt
 from jaxspeed.offload import memory_kinds
+from numerics import assert_adam_params_close, gpt_rtol
 
 TINY = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
@@ -24,6 +25,11 @@ OFFLOAD_OPT = ["zero_optimization.offload_optimizer.device=cpu"]
 HOST_UPDATE = [*OFFLOAD_OPT, "zero_optimization.offload_optimizer.update_on=host"]
 OFFLOAD_PARAM = [*OFFLOAD_OPT, "zero_optimization.offload_param.device=cpu"]
 STEPS = 3
+LR = 0.003
+#: Two orders of TINY's step on 16 x 16 tokens agree to this (tests/numerics.py). In the bf16
+#: and fp16 variants both runs round the same values to the same low precision; what differs
+#: is the order of fp32 sums (the gradients' reduce-scatters).
+RHO = gpt_rtol(tokens=16 * 16, d_model=32, d_ff=64, n_layers=2, vocab=256)
 
 
 def config(*overrides):
@@ -57,24 +63,32 @@ def trained(stage: int, extra: tuple[str, ...] = (), *, stream: bool = True):
     return engine, state, losses, [init_kinds, *kinds]
 
 
-def assert_same_run(got, want, atol=0.0):
+def assert_same_run(got, want, *, same_program: bool):
+    """Bit for bit where only the state's memory kind differs (`same_program`: the same step,
+    reading and writing host memory); else to the model of two orders of the same step."""
     _, state, losses, _ = got
     _, ref_state, ref_losses, _ = want
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
-    chex.assert_trees_all_close(state.params, ref_state.params, rtol=1e-6, atol=atol)
+    if same_program:
+        np.testing.assert_array_equal(losses, ref_losses)
+        chex.assert_trees_all_equal(jax.device_get(state.params), jax.device_get(ref_state.params))
+    else:
+        np.testing.assert_allclose(losses, ref_losses, rtol=RHO)
+        assert_adam_params_close(state.params, ref_state.params, steps=STEPS, lr=LR, rho=RHO)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offloaded_optimizer_state_lives_on_host_and_matches(stage):
     got = trained(stage, tuple(OFFLOAD_OPT))
     assert got[3] == [({"device"}, {"pinned_host"})] * (STEPS + 1)
-    assert_same_run(got, trained(stage))
+    assert_same_run(got, trained(stage), same_program=True)
 
 
 def test_host_update_matches_device_update():
     got = trained(2, tuple(HOST_UPDATE))
     assert got[3] == [({"device"}, {"pinned_host"})] * (STEPS + 1)
-    assert_same_run(got, trained(2))
+    # The update is compiled for the host (on a GPU machine, another processor) apart from the
+    # step: another program, though on CPU it has so far matched bit for bit.
+    assert_same_run(got, trained(2), same_program=False)
 
 
 REMAT_ACCUMULATE = ("activation_checkpointing.policy=full", "gradient_accumulation_steps=2")
@@ -92,17 +106,19 @@ def test_offloaded_params_live_on_host_and_match(variant):
     assert got[3] == [({"pinned_host"}, {"pinned_host"})] * (STEPS + 1)
     want = trained(3, tuple(p for p in variant if not p.startswith("zero_optimization")))
     # Streamed layers are reduce-scattered one layer at a time inside the backward scan, not
-    # after it: the same fp32 sums in another order (params ~0.08; observed 2e-7).
-    assert_same_run(got, want, atol=1e-6)
+    # after it: the same fp32 sums in another order.
+    assert_same_run(got, want, same_program=False)
     batch = dataset().batch(9, global_batch=16)
-    chex.assert_trees_all_close(got[0].eval_step(got[1], batch), want[0].eval_step(want[1], batch))
+    got_eval, want_eval = got[0].eval_step(got[1], batch), want[0].eval_step(want[1], batch)
+    chex.assert_trees_all_close(got_eval, want_eval, rtol=RHO)
 
 
 def test_offloaded_params_of_a_model_that_does_not_stream_match():
     got = trained(3, (*OFFLOAD_PARAM, "bf16.enabled=true"), stream=False)
     assert got[0].streamed_params is None
     assert got[3] == [({"pinned_host"}, {"pinned_host"})] * (STEPS + 1)
-    assert_same_run(got, trained(3, ("bf16.enabled=true",)))
+    # Not streamed: the whole step fetches the params, then runs as without offload.
+    assert_same_run(got, trained(3, ("bf16.enabled=true",)), same_program=True)
 
 
 def test_offload_shows_in_the_plan_and_the_memory_report():
@@ -175,7 +191,8 @@ def test_checkpoints_cross_offload(tmp_path, saved_with, restored_with):
     expected = "pinned_host" if restored_with else "device"
     assert memory_kinds(restored.opt_state) == {expected}
     _, got, _ = run(second, restored, 2, 1)
-    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # The same state, stepped with and without streamed layers: two orders of the same step.
+    np.testing.assert_allclose(got, want, rtol=RHO)
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,13 @@ from jaxspeed.errors import ConfigError
 from jaxspeed.losses import lm_loss
 from jaxspeed.models import GPT
 from jaxspeed.remat import POLICIES
+from numerics import gpt_rtol
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=2, d_ff=64, max_seq_len=32)
 NAMES = ("qkv", "mlp_hidden")
+#: A policy recomputes (or saves) other values, so the step is another program: its losses
+#: agree with no remat's to two orders of TINY's step on 4 x 32 tokens (tests/numerics.py).
+RHO = gpt_rtol(tokens=4 * 32, d_model=32, d_ff=64, n_layers=4, vocab=64)
 
 
 def _model(policy):
@@ -51,7 +55,7 @@ def _train(policy, steps=3):
 
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])
 def test_every_policy_trains_to_the_same_loss(policy):
-    np.testing.assert_allclose(_train(policy), _train("none"), rtol=1e-5)
+    np.testing.assert_allclose(_train(policy), _train("none"), rtol=RHO)
 
 
 def _temp_bytes(policy):

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +16,7 @@ import jaxspeed as js
 from jaxspeed.attention import FixedSparsityConfig
 from jaxspeed.data import TokenDataset
 from jaxspeed.models import build_gpt
+from numerics import assert_adam_params_close, gpt_rtol, sum_rtol
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "gpt_sparse.yaml"
@@ -93,9 +93,13 @@ def test_dense_layout_trains_exactly_like_the_dense_model(initial_state):
     dense = _train(
         _config(*SHORT, *constant_lr, "model.sparse_attention=null"), initial_state, steps=3
     )
-    np.testing.assert_allclose(sparse[0], dense[0], rtol=1e-5)  # losses
-    np.testing.assert_allclose(sparse[1], dense[1], rtol=1e-5)  # gradient norms
-    chex.assert_trees_all_close(sparse[2].params, dense[2].params, rtol=1e-5, atol=1e-6)
+    # Another attention program (tests/numerics.py): the small GPT on 8 x 128 tokens a step.
+    rho = gpt_rtol(tokens=8 * 128, d_model=32, d_ff=64, n_layers=1, vocab=256)
+    np.testing.assert_allclose(sparse[0], dense[0], rtol=rho)  # losses
+    # The gradient norm sums the squares of every parameter's gradient: one more reduction.
+    n_params = sum(x.size for x in jax.tree.leaves(dense[2].params))
+    np.testing.assert_allclose(sparse[1], dense[1], rtol=rho + sum_rtol(n_params))
+    assert_adam_params_close(sparse[2].params, dense[2].params, steps=3, lr=3e-3, rho=rho)
     assert int(sparse[2].step) == 3
     assert sparse[0][-1] < sparse[0][0]  # the parameters moved
 
