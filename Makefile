@@ -38,7 +38,7 @@ VENV_MIN   ?= .venv-jax$(JAX_MIN)
 SMOKE      ?= tests/test_mesh.py tests/test_onebit.py tests/test_moe_parallel.py tests/test_pipeline.py \
               tests/test_offload.py::test_host_update_matches_device_update
 test-jax-min: $(STAMP)
-	test -x $(VENV_MIN)/bin/python || $$($(PY) -c 'import sys; print(sys.executable)') -m venv $(VENV_MIN)
+	test -x $(VENV_MIN)/bin/python || $(PY) -m venv $(VENV_MIN)
 	$(VENV_MIN)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_MIN)/bin/python -m pip install --quiet -e '.[test]' jax==$(JAX_MIN) jaxlib==$(JAX_MIN)
 	$(VENV_MIN)/bin/python -m pytest -n 2 --dist loadfile $(SMOKE)

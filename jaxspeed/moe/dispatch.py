@@ -56,7 +56,7 @@ def _kept(routing: Routing, capacity: int, num_experts: int):
 # ---- the XLA path: gathers only -----------------------------------------------------------------
 
 
-def _take_rows(table, idx):
+def take_rows(table, idx):
     """`table[idx]` along rows, zero rows where `idx < 0`; `[*idx.shape, M]`."""
     rows = jnp.take(table, jnp.maximum(idx, 0), axis=0)
     return jnp.where((idx >= 0)[..., None], rows, jnp.zeros((), table.dtype))
@@ -79,7 +79,7 @@ def _gather_sum(table, slots, weight=None):
     """`sum_j weight[:, j] * table[slots[:, j]]` in fp32 (weight 1 if None): `[T, M]`."""
     out = 0.0
     for j in range(slots.shape[1]):
-        rows = _take_rows(table, slots[:, j]).astype(jnp.float32)
+        rows = take_rows(table, slots[:, j]).astype(jnp.float32)
         out = out + (rows if weight is None else weight[:, j, None] * rows)
     return out
 
@@ -87,7 +87,7 @@ def _gather_sum(table, slots, weight=None):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _xla_dispatch(x, slots, pair, k: int):
     token = jnp.where(pair >= 0, pair // k, -1)
-    return _take_rows(x, token)
+    return take_rows(x, token)
 
 
 def _xla_dispatch_fwd(x, slots, pair, k):
@@ -115,10 +115,10 @@ def _xla_combine_bwd(residuals, dout):
     k = slots.shape[1]
     token = jnp.where(pair >= 0, pair // k, -1)
     scale = jnp.where(pair >= 0, weight.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
-    dy = (scale[:, None] * _take_rows(dout, token).astype(jnp.float32)).astype(y.dtype)
+    dy = (scale[:, None] * take_rows(dout, token).astype(jnp.float32)).astype(y.dtype)
     do = dout.astype(jnp.float32)
     dweight = jnp.stack(
-        [jnp.sum(_take_rows(y, slots[:, j]).astype(jnp.float32) * do, axis=1)
+        [jnp.sum(take_rows(y, slots[:, j]).astype(jnp.float32) * do, axis=1)
          for j in range(k)], axis=1)
     return dy, None, dweight, None
 

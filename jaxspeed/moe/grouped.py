@@ -27,6 +27,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxspeed.moe.dispatch import take_rows
+
 #: Block sizes (as multiples of the mean group size `N / G`) to pick from, ascending.
 CAPACITIES = (1.0, 1.25, 1.5, 2.0)
 _MULTIPLE = 8  # block sizes are rounded up to a multiple of this
@@ -122,25 +124,19 @@ def _count_at_most(ends, n: int):
     return jnp.cumsum(marks)[:n]
 
 
-def _take_rows(table, index):
-    """`table[index]` along rows, zero rows where `index < 0`."""
-    rows = jnp.take(table, jnp.maximum(index, 0), axis=0)
-    return jnp.where((index >= 0)[..., None], rows, jnp.zeros((), table.dtype))
-
-
 def _matmul_in_blocks(lhs, rhs, group_sizes, *, trans_b: bool, capacity: int, num_blocks: int):
     blocks = _blocks(group_sizes, lhs.shape[0], capacity, num_blocks)
     weights = rhs if blocks.group is None else rhs[blocks.group]
     spec = "bck,bpk->bcp" if trans_b else "bck,bkp->bcp"
-    out = jnp.einsum(spec, _take_rows(lhs, blocks.row), weights,
+    out = jnp.einsum(spec, take_rows(lhs, blocks.row), weights,
                      preferred_element_type=jnp.float32)
-    return _take_rows(out.reshape(-1, out.shape[-1]), blocks.slot)
+    return take_rows(out.reshape(-1, out.shape[-1]), blocks.slot)
 
 
 def _outer_in_blocks(lhs, rhs, group_sizes, *, capacity: int, num_blocks: int):
     """`[G, K, P]`: `lhs_g^T @ rhs_g` for `lhs [N, K]`, `rhs [N, P]` (zero for empty groups)."""
     blocks = _blocks(group_sizes, lhs.shape[0], capacity, num_blocks)
-    out = jnp.einsum("bck,bcp->bkp", _take_rows(lhs, blocks.row), _take_rows(rhs, blocks.row),
+    out = jnp.einsum("bck,bcp->bkp", take_rows(lhs, blocks.row), take_rows(rhs, blocks.row),
                      preferred_element_type=jnp.float32)
     if blocks.group is None:
         return out
