@@ -1,4 +1,4 @@
-"""What a compiled step costs: FLOPs, MFU, and bytes moved by each kind of collective.
+"""What a compiled step costs: FLOPs, MFU, and the bytes of each collective it runs.
 
 Everything here reads the compiled program, before step 0: `compiled.cost_analysis()` for FLOPs
 and the optimized HLO text for collectives.
@@ -7,7 +7,8 @@ Collective bytes are per device and per step, counted as the size of the full bu
 collective works on: all-reduce and all-to-all their operand, all-gather its (gathered)
 output, reduce-scatter its (unscattered) input, collective-permute what it sends. Collectives
 inside a `while` loop (a `scan`) count once per iteration when XLA knows the trip count; inside
-a conditional, every branch counts (an upper bound).
+a conditional, every branch counts (an upper bound). `collectives` lists each collective
+instruction with its bytes and executions; `collective_bytes` sums them by kind.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -33,7 +34,7 @@ PEAK_FLOPS: dict[str, float] = {
 _DTYPE_BYTES = {"pred": 1, "token": 0, "tuple": 0}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z0-9]*)?)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([^\s,)]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -110,17 +111,28 @@ def _instruction_bytes(
     return total
 
 
-def collective_bytes(hlo_text: str, *, num_devices: int = 1) -> dict[str, int]:
-    """Per-device bytes moved per execution, by collective kind, from optimized HLO text.
+class Collective(NamedTuple):
+    """One collective instruction of a compiled program and how often one run executes it."""
+
+    kind: str  #: one of `COLLECTIVES`
+    name: str  #: the HLO instruction, e.g. "all-reduce.52"
+    computation: str  #: the HLO computation that holds it
+    bytes: int  #: per device and per execution, in the convention of `collective_bytes`
+    executions: int  #: per run: loop trip counts multiplied, each conditional branch once
+
+
+def collectives(hlo_text: str, *, num_devices: int = 1) -> list[Collective]:
+    """Every collective instruction that a run of the program reaches, from optimized HLO text.
 
     Args:
       hlo_text: `compiled.as_text()` of a jitted step.
       num_devices: devices of the program (for collectives without explicit replica groups).
 
     Returns:
-      `{kind: bytes}` for every kind in `COLLECTIVES` (0 where absent), plus `total`.
+      One `Collective` per instruction, in the order of the text; `bytes * executions` summed
+      by kind is `collective_bytes`.
     """
-    own: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    own: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -133,11 +145,13 @@ def collective_bytes(hlo_text: str, *, num_devices: int = 1) -> dict[str, int]:
         match = _INSTRUCTION.match(line) if current else None
         if match is None:
             continue
-        type_text, tail = _split_type(match.group(1))
+        name, rest = match.groups()
+        type_text, tail = _split_type(rest)
         op = tail.partition("(")[0]
         found = _collective(op)
         if found is not None:
-            own[current][found[0]] += _instruction_bytes(*found, type_text, tail, num_devices)
+            nbytes = _instruction_bytes(*found, type_text, tail, num_devices)
+            own[current].append((found[0], name, nbytes))
         trips = _TRIP_COUNT.search(tail)
         for role, callee in _CALLEE.findall(tail):
             calls[current].append((callee, int(trips.group(1)) if role == "body" and trips else 1))
@@ -145,18 +159,38 @@ def collective_bytes(hlo_text: str, *, num_devices: int = 1) -> dict[str, int]:
             for callee in branches.split(","):
                 calls[current].append((callee.strip().lstrip("%"), 1))
 
-    totals = dict.fromkeys(COLLECTIVES, 0)
+    executions: dict[str, int] = defaultdict(int)  # computation → runs per program run
 
     def visit(name: str, times: int, depth: int = 0) -> None:
         if depth > 64:  # malformed text; HLO call graphs are acyclic
             return
-        for kind, nbytes in own.get(name, {}).items():
-            totals[kind] += nbytes * times
+        executions[name] += times
         for callee, trips in calls.get(name, ()):
             visit(callee, times * trips, depth + 1)
 
     if entry is not None:
         visit(entry, 1)
+    return [
+        Collective(kind, name, computation, nbytes, executions[computation])
+        for computation, found in own.items()
+        if executions.get(computation)
+        for kind, name, nbytes in found
+    ]
+
+
+def collective_bytes(hlo_text: str, *, num_devices: int = 1) -> dict[str, int]:
+    """Per-device bytes moved per execution, by collective kind, from optimized HLO text.
+
+    Args:
+      hlo_text: `compiled.as_text()` of a jitted step.
+      num_devices: devices of the program (for collectives without explicit replica groups).
+
+    Returns:
+      `{kind: bytes}` for every kind in `COLLECTIVES` (0 where absent), plus `total`.
+    """
+    totals = dict.fromkeys(COLLECTIVES, 0)
+    for op in collectives(hlo_text, num_devices=num_devices):
+        totals[op.kind] += op.bytes * op.executions
     totals["total"] = sum(totals[k] for k in COLLECTIVES)
     return totals
 

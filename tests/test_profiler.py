@@ -8,7 +8,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxspeed as js
 from jaxspeed.models.gpt import count_params
-from jaxspeed.profiler import collective_bytes, jaxpr_flops, mfu, peak_flops
+from jaxspeed.profiler import (
+    Collective, collective_bytes, collectives, jaxpr_flops, mfu, peak_flops,
+)
 
 
 def test_each_collective_kind_matches_a_hand_count():
@@ -80,6 +82,17 @@ def test_async_collectives_loops_and_branches():
     assert moved["reduce-scatter"] == 5 * 2 * 2 * 4  # bf16[2] × group of 4, 5 iterations
     assert moved["collective-permute"] == 2 * 32  # both branches counted (upper bound)
     assert moved["all-reduce"] == 64
+
+
+def test_each_collective_instruction_with_its_executions():
+    assert collectives(HLO, num_devices=8) == [
+        Collective("all-gather", "ag", "body", 64, 5),
+        Collective("reduce-scatter", "rs", "body", 2 * 2 * 4, 5),
+        Collective("collective-permute", "cp", "branch", 32, 2),
+        Collective("all-reduce", "ar", "main", 64, 1),
+    ]
+    unreached = HLO.replace("body=%body", "body=%other")
+    assert [op.name for op in collectives(unreached, num_devices=8)] == ["cp", "ar"]
 
 
 def test_jaxpr_flops_counts_scan_iterations():
