@@ -60,15 +60,16 @@ def result(
     return {
         "benchmark": benchmark,
         "case": case,
-        "jaxspeed": _round(jaxspeed),
-        "baseline": _round(baseline),
+        "jaxspeed": round_figure(jaxspeed),
+        "baseline": round_figure(baseline),
         "unit": unit,
         "ratio": ratio,
         **extra,
     }
 
 
-def _round(x: float) -> float:
+def round_figure(x: float) -> float:
+    """`x` to 5 significant digits (no decimals above 10,000)."""
     if not math.isfinite(x) or x == 0:
         return x
     digits = max(0, 4 - int(math.floor(math.log10(abs(x)))))

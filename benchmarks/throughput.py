@@ -1,19 +1,28 @@
-"""Training tokens/s of `jaxspeed train` on a llama-style tiny model, against MaxText's figure.
+"""Training tokens/s of `jaxspeed train` on a llama-style tiny model, with MaxText run beside it.
 
 `configs/bench_tiny_llama.yaml`: 4 layers, d_model 256, 4 heads of 64, SwiGLU d_ff 1024, vocab
-512, untied output, RMSNorm, rotary; one sequence of 256 tokens per device, 8 emulated CPU
-devices, ZeRO-3, fp32 weights, bf16 activations, full remat. The run is
-`jaxspeed.train_loop.train(...)` with a metrics line every step; tokens/s is aggregated over
-steps 5–19 (0-based, i.e. after 5 steps of compile and warm-up) as total tokens / total time.
+512, untied output, RMSNorm, rotary; one sequence of 256 tokens per device on 8 emulated CPU
+devices, fp32 weights. Three configurations of it (`CONFIGS`):
+  1. fsdp8: ZeRO-3 over data 8 (MaxText's FSDP 8), bf16 activations, full remat (the headline);
+  2. data8_zero1: ZeRO-1 over data 8 (MaxText's data 8 + `shard_optimizer_over_data`), fp32,
+     no remat;
+  3. fsdp4_tensor2: ZeRO-3 over data 4 x tensor 2 (MaxText's FSDP 4 x tensor 2), bf16, full
+     remat.
+jaxspeed runs `jaxspeed.train_loop.train(...)` with a metrics line every step. With
+`--maxtext PYTHON` (a Python with MaxText installed: `make maxtext`), MaxText trains the same
+model, mesh, precision and remat (`maxtext_peer.options`) on synthetic tokens. The two run
+alternately, `--rounds` times each (jaxspeed, MaxText, jaxspeed, MaxText), each run a fresh
+training of 20 steps. Tokens/s of a run is total tokens / total time over steps 5-19 (0-based,
+after 5 steps of compile and warm-up), the same statistic for both; a configuration's figure is
+its best run (a shared machine only ever slows a run down).
+Headline: fsdp8, ratio = jaxspeed tokens/s / MaxText tokens/s, both measured here. Without
+`--maxtext` nothing is compared and the lines carry no ratio.
 
-The baseline is MaxText's published figure for this model on these machines, 5,100 tokens/s.
-MaxText is not installed here, so it is not re-run: the figure is a constant. Headline:
-ratio = jaxspeed tokens/s / 5,100.
-
-The run also reports the machine's ceiling for this model: the best fp32 matmul rate measured
-here (XLA's and OpenBLAS's, all cores) over the step's matmul FLOPs per token
-(`Engine.step_flops`, rematerialised passes included). No trainer can run faster than that on
-this machine, whatever its overheads.
+Each line also reports the machine's matmul peak, measured in the same run: the best square
+fp32 matmul rate (XLA's and OpenBLAS's, all cores). `peak_fraction` = the matmul FLOP/s jaxspeed
+achieves (tokens/s x the step's matmul FLOPs per token, `Engine.step_flops`, rematerialised
+passes included) / that peak, and `ceiling_tokens_per_s` = peak / FLOPs per token: no trainer
+runs faster on this machine, whatever its overheads.
 """
 
 from __future__ import annotations
@@ -34,12 +43,20 @@ import _common  # noqa: E402
 
 NAME = "throughput"
 CONFIG = _common.ROOT / "configs" / "bench_tiny_llama.yaml"
-MAXTEXT_TOKENS_PER_S = 5100.0
-FULL = {"steps": 20, "skip": 5, "overrides": [], "peak_sizes": (2048, 4096)}
+#: name: (what it is, overrides of CONFIG). The last is printed last: the headline.
+CONFIGS = {
+    "data8_zero1": ("data 8 (ZeRO-1), fp32, no remat", [
+        "zero_optimization.stage=1", "bf16.enabled=false", "activation_checkpointing.policy=none"]),
+    "fsdp4_tensor2": ("FSDP 4 x tensor 2 (ZeRO-3), bf16, full remat",
+                      ["mesh.data=4", "mesh.tensor=2"]),
+    "fsdp8": ("FSDP 8 (ZeRO-3), bf16, full remat", []),
+}
+FULL = {"steps": 20, "skip": 5, "rounds": 2, "overrides": [], "peak_sizes": (2048, 4096),
+        "configs": tuple(CONFIGS)}
 # A shorter sequence, a smaller slice of the corpus and fewer steps: same code path, seconds.
 QUICK = {
-    "steps": 4, "skip": 2, "overrides": ["data.seq_len=64", "data.max_bytes=400000"],
-    "peak_sizes": (256,),
+    "steps": 4, "skip": 2, "rounds": 1, "overrides": ["data.seq_len=64", "data.max_bytes=400000"],
+    "peak_sizes": (256,), "configs": ("fsdp8",),
 }
 
 
@@ -97,109 +114,146 @@ def matmul_peak_gflops(sizes: tuple[int, ...], *, repeats: int = 3) -> dict[str,
 
 
 def roofline(*, flops_per_token: float, peak_gflops: float, tokens_per_s: float) -> dict:
-    """What the machine allows: tokens/s at `peak_gflops`, and the rates the figures need."""
+    """What the machine allows: tokens/s at `peak_gflops`, and the share of it achieved."""
+    achieved = tokens_per_s * flops_per_token / 1e9
     return {
         "flops_per_token": flops_per_token,
         "matmul_peak_gflops": round(peak_gflops, 1),
         "ceiling_tokens_per_s": round(peak_gflops * 1e9 / flops_per_token, 1),
-        "achieved_gflops": round(tokens_per_s * flops_per_token / 1e9, 1),
-        "baseline_needs_gflops": round(MAXTEXT_TOKENS_PER_S * flops_per_token / 1e9, 1),
+        "achieved_gflops": round(achieved, 1),
+        "peak_fraction": round(achieved / peak_gflops, 3),
     }
+
+
+def maxtext_records(step_seconds: dict[int, float], tokens_per_step: int) -> list[dict]:
+    """MaxText's {0-based step: seconds} as the records `aggregate` reads (one per step)."""
+    return [{"step": step + 1, "tokens_per_second": tokens_per_step / seconds}
+            for step, seconds in sorted(step_seconds.items())]
+
+
+def train_jaxspeed(config, *, steps: int) -> list[dict]:
+    """Trains `config` for `steps` steps in a scratch folder; returns its metrics records."""
+    from jaxspeed.train_loop import train
+
+    with tempfile.TemporaryDirectory(prefix="jaxspeed-throughput-") as out:
+        train(config, output_dir=out, steps=steps, progress=False)
+        lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="seq 64, 4 steps (tests)")
+    parser.add_argument("--quick", action="store_true", help="fsdp8 only, seq 64, 4 steps (tests)")
+    parser.add_argument("--maxtext", metavar="PYTHON", default=None,
+                        help="a Python with MaxText installed (`make maxtext`): run it beside us")
+    parser.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=None,
+                        help="configurations to run (default: all three; --quick: fsdp8)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="runs of each trainer per configuration, alternating (default 2)")
     parser.add_argument("--steps", type=int, default=None, help="steps to train (default 20)")
     parser.add_argument(
         "--skip", type=int, default=None, help="first steps left out of the average (default 5)"
     )
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config key (e.g. --set bf16.enabled=false) to profile a variant",
+        help="override a config key in every configuration (e.g. --set data.seq_len=128)",
     )
     args = parser.parse_args(argv)
+    case = QUICK if args.quick else FULL
+    steps = args.steps or case["steps"]
+    skip = case["skip"] if args.skip is None else args.skip
+    rounds = args.rounds or case["rounds"]
+    names = [n for n in CONFIGS if n in (args.configs or case["configs"])]
+    if not 0 <= skip < steps:
+        raise SystemExit(f"--skip must be in [0, steps={steps}), got {skip}")
+    if rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {rounds}")
     _common.use_cpu_devices()
 
     import jax
 
+    import maxtext_peer
     from jaxspeed.config import load_config, resolve_batch
     from jaxspeed.engine import initialize
     from jaxspeed.mesh import data_parallel_size, make_mesh
-    from jaxspeed.train_loop import train
 
-    case = QUICK if args.quick else FULL
-    steps = args.steps or case["steps"]
-    skip = case["skip"] if args.skip is None else args.skip
-    if not 0 <= skip < steps:
-        raise SystemExit(f"--skip must be in [0, steps={steps}), got {skip}")
-    overrides = ["logging.every_n_steps=1", *case["overrides"], *args.overrides]
-    config = load_config(CONFIG, overrides=overrides)
-    batch = resolve_batch(config, data_parallel_size(make_mesh(config.mesh)))
-    tokens_per_step = batch.train_batch_size * config.data.seq_len
-    flops_per_token = initialize(config).step_flops() / tokens_per_step
-
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="jaxspeed-throughput-") as out:
-        train(config, output_dir=out, steps=steps, progress=False)
-        lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
-    wall = time.perf_counter() - start
+    rows = []
+    for name in names:
+        about, config_overrides = CONFIGS[name]
+        overrides = ["logging.every_n_steps=1", *case["overrides"], *config_overrides,
+                     *args.overrides]
+        config = load_config(CONFIG, overrides=overrides)
+        mesh = make_mesh(config.mesh)
+        batch = resolve_batch(config, data_parallel_size(mesh))
+        tokens_per_step = batch.train_batch_size * config.data.seq_len
+        flops_per_token = initialize(config).step_flops() / tokens_per_step
+        peer = maxtext_peer.options(config) if args.maxtext else None
+        runs = {"jaxspeed": [], "maxtext": []}
+        for r in range(rounds):
+            print(f"[{name}] round {r + 1}/{rounds}: jaxspeed", file=sys.stderr, flush=True)
+            records = train_jaxspeed(config, steps=steps)
+            runs["jaxspeed"].append(aggregate(records, tokens_per_step=tokens_per_step,
+                                              skip=skip)[0])
+            if peer is not None:
+                print(f"[{name}] round {r + 1}/{rounds}: MaxText", file=sys.stderr, flush=True)
+                seconds = maxtext_peer.run(args.maxtext, peer, steps=steps)
+                runs["maxtext"].append(aggregate(maxtext_records(seconds, tokens_per_step),
+                                                 tokens_per_step=tokens_per_step, skip=skip)[0])
+        rows.append({"name": name, "about": about, "config": config, "runs": runs,
+                     "mesh": " x ".join(f"{k} {v}" for k, v in mesh.shape.items() if v > 1),
+                     "tokens_per_step": tokens_per_step, "flops_per_token": flops_per_token})
     # After training, so that OpenBLAS's idle worker threads cannot slow the timed steps.
     peaks = matmul_peak_gflops(case["peak_sizes"])
-    records = [json.loads(line) for line in lines if line.strip()]
-    tokens_per_s, counted = aggregate(records, tokens_per_step=tokens_per_step, skip=skip)
-    first_s = tokens_per_step / float(records[0]["tokens_per_second"])
-    r = _common.ratio(tokens_per_s, MAXTEXT_TOKENS_PER_S)
-    roof = roofline(
-        flops_per_token=flops_per_token, peak_gflops=max(peaks.values()), tokens_per_s=tokens_per_s
-    )
+    peak = max(peaks.values())
 
-    m = config.model
-    variant = " ".join(args.overrides) or "as configured"
     print(
-        f"Training throughput: {CONFIG.relative_to(_common.ROOT)} ({variant}); llama-style "
-        f"{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, {m.mlp} d_ff {m.d_ff}, "
-        f"vocab {m.vocab_size}; {jax.device_count()} devices, "
-        f"ZeRO-{config.zero_optimization.stage}, "
-        f"bf16 {config.bf16.enabled}, remat {config.activation_checkpointing.policy}, "
-        f"{batch.train_batch_size} x {config.data.seq_len} tokens per step"
+        f"Training throughput: {CONFIG.relative_to(_common.ROOT)}, llama-style, "
+        f"{jax.device_count()} devices; {steps} steps per run, tokens/s over steps {skip}-"
+        f"{steps - 1} = total tokens / total time, best of {rounds} run(s) per trainer, "
+        + ("jaxspeed and MaxText alternating." if args.maxtext else
+           "jaxspeed only (no --maxtext: nothing compared).")
+        + (f" Overrides: {' '.join(args.overrides)}." if args.overrides else "")
     )
-    print(
-        f"{steps} steps in {wall:.1f} s (first step incl. compile {first_s:.1f} s); tokens/s over "
-        f"steps {skip}-{steps - 1} ({counted} steps) = total tokens / total time. Baseline: "
-        "MaxText's published figure on these machines (MaxText is not installed here; not re-run)."
-    )
+    print(f"Matmul peak here (fp32, same run): XLA {peaks['xla']:.1f}, OpenBLAS "
+          f"{peaks['openblas']:.1f} GFLOP/s (sizes {', '.join(map(str, case['peak_sizes']))}).\n")
+    table = []
+    for row in rows:
+        best = {k: max(v) if v else None for k, v in row["runs"].items()}
+        row["best"] = best
+        row["roof"] = roofline(flops_per_token=row["flops_per_token"], peak_gflops=peak,
+                               tokens_per_s=best["jaxspeed"])
+        table.append([
+            f"{row['name']}: {row['about']}", best["jaxspeed"], best["maxtext"] or "-",
+            _common.ratio(best["jaxspeed"], best["maxtext"]) if best["maxtext"] else "-",
+            f"{row['roof']['peak_fraction']:.0%}", row["roof"]["ceiling_tokens_per_s"],
+        ])
+    _common.print_table(["configuration", "jaxspeed tok/s", "MaxText tok/s", "ratio",
+                         "of matmul peak", "ceiling tok/s"], table)
     print()
-    _common.print_table(
-        ["training throughput", "tokens/s"],
-        [
-            ["jaxspeed train", tokens_per_s],
-            ["MaxText (published)", MAXTEXT_TOKENS_PER_S],
-            ["ratio (jaxspeed / MaxText)", r],
-            ["machine ceiling (matmul peak / FLOPs per token)", roof["ceiling_tokens_per_s"]],
-        ],
-    )
-    print(
-        f"\nRoofline: {flops_per_token / 1e6:.2f} MFLOP per token (matmuls, remat included). "
-        f"Best fp32 matmul here: XLA {peaks['xla']:.1f}, OpenBLAS {peaks['openblas']:.1f} "
-        f"GFLOP/s (sizes {', '.join(map(str, case['peak_sizes']))}). jaxspeed runs at "
-        f"{roof['achieved_gflops']} GFLOP/s; {MAXTEXT_TOKENS_PER_S:,.0f} tokens/s would need "
-        f"{roof['baseline_needs_gflops']} GFLOP/s."
-    )
-    print()
-    _common.print_json(_common.result(
-        NAME,
-        case=(f"tiny llama d_model={m.d_model} layers={m.n_layers} seq={config.data.seq_len} "
-              f"devices={jax.device_count()} zero={config.zero_optimization.stage} "
-              f"bf16={config.bf16.enabled} remat={config.activation_checkpointing.policy}"
-              + (f" [{variant}]" if args.overrides else "")),
-        jaxspeed=tokens_per_s, baseline=MAXTEXT_TOKENS_PER_S, unit="tokens/s", ratio=r,
-        steps=steps, steps_counted=counted, tokens_per_step=tokens_per_step,
-        step_ms=round(1e3 * tokens_per_step / tokens_per_s, 2), first_step_s=round(first_s, 2),
-        baseline_source="MaxText published figure (not re-run; MaxText not installed)",
-        matmul_peak_gflops_by_library={k: round(v, 1) for k, v in peaks.items()},
-        **roof,
-    ))
+    for row in rows:
+        config, best = row["config"], row["best"]
+        m = config.model
+        case_text = (f"{row['name']}: tiny llama d_model={m.d_model} layers={m.n_layers} "
+                     f"seq={config.data.seq_len} devices={jax.device_count()} "
+                     f"mesh=({row['mesh']}) "
+                     f"zero={config.zero_optimization.stage} bf16={config.bf16.enabled} "
+                     f"remat={config.activation_checkpointing.policy}"
+                     + (f" [{' '.join(args.overrides)}]" if args.overrides else ""))
+        fields = dict(
+            benchmark=NAME, case=case_text, jaxspeed=_common.round_figure(best["jaxspeed"]),
+            unit="tokens/s", steps=steps, steps_counted=steps - skip,
+            tokens_per_step=row["tokens_per_step"],
+            runs={k: [round(v, 1) for v in vs] for k, vs in row["runs"].items() if vs},
+            matmul_peak_gflops_by_library={k: round(v, 1) for k, v in peaks.items()},
+            **row["roof"],
+        )
+        if best["maxtext"]:
+            fields.update(baseline=_common.round_figure(best["maxtext"]),
+                          ratio=_common.ratio(best["jaxspeed"], best["maxtext"]),
+                          baseline_source=f"MaxText {maxtext_peer.VERSION}, run alternately "
+                                          f"with jaxspeed in this run ({args.maxtext})",
+                          maxtext_options=maxtext_peer.options(config))
+        _common.print_json(fields)
     return 0
 
 

@@ -1,25 +1,37 @@
 """Per-device model-state memory of ZeRO stages 0–3 against ZeRO's ideal (Rajbhandari 2020).
 
 The reference GPT at ~100M parameters (GPT-2 small's shape with a 20,480-token tied vocabulary)
-on 8 emulated CPU devices, mesh data=8, AdamW. Shapes only: the state comes from
-`engine.abstract_state()` (`jax.eval_shape`) and the compiled train step's `memory_analysis()`;
-nothing is allocated.
+on 8 emulated CPU devices, mesh data=8, AdamW. Each stage's state is built for real
+(`engine.init`), measured, and deleted before the next stage's. Stage 0 is the largest: its
+params and Adam m, v (12 bytes/param) are replicated on all 8 devices, 9.7 GB; with the init's
+scratch the process peaked at 10.2 GiB, inside the 24 GiB these machines have (a 50M model would
+halve that; 100M keeps the case of earlier runs). The step is compiled, never run.
 
-ZeRO's accounting (paper §3, "model states"): with Ψ parameters on N data-parallel devices and K
-bytes of optimizer state per parameter, DeepSpeed's mixed-precision Adam keeps 2Ψ fp16 params,
-2Ψ fp16 grads and KΨ = 12Ψ (fp32 master, m, v), and
+Where each number comes from (the `source` of every JSON line):
+- `arrays`: params and optimizer state, the bytes of device 0's shards of the initialized state.
+- `model`: gradients, from the plan's arithmetic. They are not state: they exist only inside
+  the step, as scratch (in the compiled `temp`, which does not itemise them). The step
+  constrains them to the plan's gradient shardings (`plan.grads`, fp32), so their bytes per
+  device are `plan.bytes_per_device("grad")`.
+- `compiled`: the train step's `memory_analysis()`; the step's peak is argument + output −
+  alias + temp (state, batch, new state not donated over the old, and scratch: gradients,
+  gathered stage-3 params, activations).
+- `formula`: ZeRO's ideal. With Ψ parameters on N data-parallel devices and K bytes of optimizer
+  state per parameter, DeepSpeed's mixed-precision Adam keeps 2Ψ fp16 params, 2Ψ fp16 grads and
+  KΨ = 12Ψ (fp32 master, m, v), and
 
     stage 0: (2+2+K)Ψ   stage 1: (2+2)Ψ + KΨ/N   stage 2: 2Ψ + (2+K)Ψ/N   stage 3: (2+2+K)Ψ/N
 
-jaxspeed keeps fp32 params (they are the masters), fp32 grads and Adam's m, v: 4 + 4 + 8 bytes,
-also 16 per parameter. The ideal here is ZeRO's formula with jaxspeed's widths (4, 4, K=8); the
-measured figure is params + grads + optimizer state per device, read from the shardings.
-Headline: stage 3, ratio = ideal / measured (1.0 = every byte of state sharded 8 ways).
+  jaxspeed keeps fp32 params (they are the masters), fp32 grads and Adam's m, v: 4 + 4 + 8
+  bytes, also 16 per parameter. The ideal here is ZeRO's formula with jaxspeed's widths (4, 4, 8).
+
+Headline: stage 3, ratio = ideal / measured model state (1.0 = every byte of state sharded 8 ways).
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -34,6 +46,10 @@ STAGES = (0, 1, 2, 3)
 #: (param bytes, grad bytes, optimizer-state bytes K) per parameter.
 JAXSPEED_WIDTHS = (4, 4, 8)
 DEEPSPEED_WIDTHS = (2, 2, 12)
+SOURCES = {
+    "params": "arrays", "opt_state": "arrays", "grads": "model", "model_state": "arrays+model",
+    "step_peak": "compiled", "ideal": "formula",
+}
 
 FULL_MODEL = {
     "vocab_size": 20480, "d_model": 768, "n_layers": 12, "n_heads": 12, "d_ff": 3072,
@@ -57,6 +73,18 @@ def ideal_bytes(stage: int, params: int, devices: int, widths: tuple[int, int, i
     }[stage] * 1.0
 
 
+def shard_bytes(tree, device) -> int:
+    """Bytes `device` holds of the arrays in `tree`: the sum of its shards' buffers."""
+    import jax
+
+    return sum(
+        shard.data.nbytes
+        for x in jax.tree.leaves(tree)
+        for shard in x.addressable_shards
+        if shard.device == device
+    )
+
+
 def bench_config(model: dict, *, stage: int, seq_len: int):
     """The benchmark's config: mesh data=8, micro 1, AdamW, bf16 compute, ZeRO `stage`."""
     from jaxspeed.config import load_config
@@ -74,54 +102,50 @@ def bench_config(model: dict, *, stage: int, seq_len: int):
     })
 
 
-def measure(stage: int, model: dict, *, seq_len: int, compile_step: bool) -> dict:
-    """Per-device bytes of one stage: from the shardings, and from the compiled step."""
+def measure(stage: int, model: dict, *, seq_len: int) -> dict:
+    """Per-device bytes of one stage: real state shards, the plan's grads, the compiled step."""
     import jax
 
     from jaxspeed.engine import initialize
-    from jaxspeed.memory import sharded_bytes
+    from jaxspeed.memory import _compiled_stats
     from jaxspeed.models.gpt import count_params
 
     engine = initialize(bench_config(model, stage=stage, seq_len=seq_len))
-    state = engine.abstract_state()
+    start = time.perf_counter()
+    compiled = _compiled_stats(engine.compile_train_step())  # before the state takes its memory
+    compile_s = time.perf_counter() - start
+    state = engine.init(jax.random.key(0))
+    device = jax.devices()[0]
     row = {
         "stage": stage,
         "n_params": count_params(state.params),
         "devices": jax.device_count(),
-        "params": sharded_bytes(state.params),
+        "params": shard_bytes(state.params, device),
+        "opt_state": shard_bytes(state.opt_state, device),
         "grads": engine.plan.bytes_per_device("grad"),
-        "opt_state": sharded_bytes(state.opt_state),
-        "batch": sharded_bytes(engine.abstract_batch()),
+        "compiled": {k: compiled[k] for k in ("argument", "output", "alias", "temp")},
+        "compile_s": compile_s,
     }
-    row["model_state"] = row["params"] + row["grads"] + row["opt_state"]
-    if compile_step:
-        start = time.perf_counter()
-        analysis = engine.compile_train_step().memory_analysis()
-        row["compile_s"] = time.perf_counter() - start
-        row["argument"] = int(analysis.argument_size_in_bytes)
-        row["temp"] = int(analysis.temp_size_in_bytes)
-        row["alias"] = int(analysis.alias_size_in_bytes)
+    for x in jax.tree.leaves(state):  # free this stage's state before the next one is built
+        x.delete()
+    row["model_state"] = row["params"] + row["opt_state"] + row["grads"]
+    c = row["compiled"]
+    row["step_peak"] = c["argument"] + c["output"] - c["alias"] + c["temp"]
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick", action="store_true",
-        help="a tiny model, shardings only (seconds, for tests); add --compile to compile too",
-    )
-    parser.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None,
-        help="compile the train step of each stage for memory_analysis() (default: on, off "
-        "with --quick); --no-compile leaves the compiled columns empty",
-    )
+    parser.add_argument("--quick", action="store_true", help="a tiny model (seconds, for tests)")
     args = parser.parse_args(argv)
-    compile_step = not args.quick if args.compile is None else args.compile
     _common.use_cpu_devices()
 
     model = QUICK_MODEL if args.quick else FULL_MODEL
     seq_len = model["max_seq_len"]
-    rows = [measure(s, model, seq_len=seq_len, compile_step=compile_step) for s in STAGES]
+    start = time.perf_counter()
+    rows = [measure(s, model, seq_len=seq_len) for s in STAGES]
+    wall_s = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     psi, n = rows[0]["n_params"], rows[0]["devices"]
     mib = _common.mib
     print(
@@ -134,52 +158,38 @@ def main(argv: list[str] | None = None) -> int:
         "DeepSpeed mixed precision: 2+2+12. ideal = ZeRO's formula with jaxspeed's widths."
     )
     print()
-    table = []
+    table = [["(source)", "arrays", "arrays", "model", "arrays+model", "", "formula", "",
+              "formula", "compiled", "compiled", "compiled", "compiled"]]
     for r in rows:
-        s = r["stage"]
+        s, c = r["stage"], r["compiled"]
         r["ideal"] = ideal_bytes(s, psi, n, JAXSPEED_WIDTHS)
         r["deepspeed"] = ideal_bytes(s, psi, n, DEEPSPEED_WIDTHS)
         r["ratio"] = _common.ratio(r["ideal"], r["model_state"])
-        compiled = [
-            mib(r["argument"]), mib(r["argument"] - r["params"] - r["opt_state"]),
-            mib(r["temp"]), r["compile_s"],
-        ] if "argument" in r else ["", "", "", ""]
         table.append([
-            f"stage {s}", mib(r["params"]), mib(r["grads"]), mib(r["opt_state"]),
+            f"stage {s}", mib(r["params"]), mib(r["opt_state"]), mib(r["grads"]),
             mib(r["model_state"]), r["model_state"] / psi, mib(r["ideal"]), r["ratio"],
-            mib(r["deepspeed"]), *compiled,
+            mib(r["deepspeed"]), mib(c["argument"]), mib(c["output"] - c["alias"]),
+            mib(c["temp"]), mib(r["step_peak"]),
         ])
     _common.print_table(
-        ["per device (MiB)", "params", "grads", "opt", "state", "B/param", "ideal", "ideal/ours",
-         "DeepSpeed", "compiled args", "args-state", "temp", "compile s"],
+        ["per device (MiB)", "params", "opt", "grads", "state", "B/param", "ideal", "ideal/state",
+         "DeepSpeed", "args", "out-alias", "temp", "step peak"],
         table,
     )
     print()
     print(
-        "state = params + grads + opt (from the shardings); compiled args = the step's "
-        "arguments (state + batch, from memory_analysis); args-state = arguments not in "
-        "params/opt (batch, step, rng); temp = compiled scratch (gathered params, grads, "
-        "activations)."
+        "arrays = bytes of device 0's shards of the state built by engine.init; model = the "
+        "plan's arithmetic: fp32 grads in the shardings the step constrains them to (grads are "
+        "scratch, inside temp); compiled = the train step's memory_analysis(), step peak = "
+        "args + out-alias + temp; formula = ZeRO's, with jaxspeed's widths (ideal) or DeepSpeed's."
     )
+    print(f"{wall_s:.1f} s for the 4 stages; process peak RSS {rss / 2**30:.2f} GiB.")
     for r in rows:
-        _common.print_json(_result(r, psi, n, model))
+        _common.print_json(_result(r, psi, n, model, rss))
     return 0
 
 
-def _result(r: dict, psi: int, n: int, model: dict) -> dict:
-    extra = {
-        "n_params": psi,
-        "devices": n,
-        "bytes_per_param_per_device": round(r["model_state"] / psi, 4),
-        "bytes": {k: r[k] for k in ("params", "grads", "opt_state", "model_state")},
-        "ideal_bytes": r["ideal"],
-        "deepspeed_mixed_precision_bytes": r["deepspeed"],
-    }
-    if "argument" in r:
-        extra["compiled"] = {
-            "argument": r["argument"], "temp": r["temp"], "alias": r["alias"],
-            "compile_s": round(r["compile_s"], 2),
-        }
+def _result(r: dict, psi: int, n: int, model: dict, rss: int) -> dict:
     return _common.result(
         NAME,
         case=f"stage={r['stage']} params={psi} devices={n} d_model={model['d_model']}",
@@ -187,7 +197,15 @@ def _result(r: dict, psi: int, n: int, model: dict) -> dict:
         baseline=_common.mib(r["ideal"]),
         unit="MiB/device",
         ratio=r["ratio"],
-        **extra,
+        n_params=psi,
+        devices=n,
+        bytes_per_param_per_device=round(r["model_state"] / psi, 4),
+        bytes={k: r[k] for k in ("params", "opt_state", "grads", "model_state", "step_peak")},
+        ideal_bytes=r["ideal"],
+        deepspeed_mixed_precision_bytes=r["deepspeed"],
+        source=SOURCES,
+        compiled={**r["compiled"], "compile_s": round(r["compile_s"], 2)},
+        process_peak_rss_bytes=rss,
     )
 
 
