@@ -8,7 +8,7 @@ CONFIG ?= configs/gpt_tiny.yaml
 OUTPUT ?= runs/gpt_tiny
 TRAIN_ARGS ?=
 
-.PHONY: install train test test-fast test-jax-min plan clean
+.PHONY: install train test test-fast test-jax-min plan maxtext bench-maxtext clean
 
 install: $(STAMP)
 
@@ -43,6 +43,16 @@ test-jax-min: $(STAMP)
 	$(VENV_MIN)/bin/python -m pip install --quiet -e '.[test]' jax==$(JAX_MIN) jaxlib==$(JAX_MIN)
 	$(VENV_MIN)/bin/python -m pytest -n 2 --dist loadfile $(SMOKE)
 	PYTHON=$(VENV_MIN)/bin/python benchmarks/gpu_suite.sh --dry-run
+
+# MaxText beside jaxspeed (benchmarks/maxtext_peer.py): its own venv outside the repository
+# (~2.5 GB, once), then the throughput benchmark's three configurations, both measured.
+MAXTEXT_VENV ?= $(HOME)/.cache/jaxspeed-peers/maxtext
+maxtext: $(STAMP)
+	test -x $(MAXTEXT_VENV)/bin/python && $(MAXTEXT_VENV)/bin/python -c 'import maxtext' 2>/dev/null \
+	  || $(PY) benchmarks/maxtext_peer.py setup --venv $(MAXTEXT_VENV)
+
+bench-maxtext: maxtext
+	$(PY) benchmarks/throughput.py --maxtext $(MAXTEXT_VENV)/bin/python
 
 plan: $(STAMP)
 	$(VENV)/bin/jaxspeed plan configs/gpt_tp2_zero3.yaml --cpu-devices 8
