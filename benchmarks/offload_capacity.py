@@ -12,15 +12,21 @@ micro-batch 1 × seq 1024 per device.
   shard to the device as it runs, and its gradient shard goes back to the host as the backward
   pass makes it.
 
-Device bytes are `memory_report()["per_device_bytes"]["device"]`: on CPU, where XLA counts host
-and device memory together, the host-resident state and the streamed layers' gradients (all but
-one layer's) are subtracted and one layer's fetched params are added back (see
-`jaxspeed.memory`). That credit assumes the peak comes when the gradients are done; if it comes
-at the start of the backward pass instead, the saved layer inputs (full remat: one residual
-stream per layer) are still live. So offload probes add `(n_layers - 1) x seq x d_model x 2`
-bytes (bf16) to stay an upper bound. The model family scales the width (head dim 128,
-d_ff = 4·d_model) at fixed depth; a binary search finds the widest model that fits.
-Headline: ratio = largest params with offload / largest params without.
+Device bytes are `memory_report()["per_device_bytes"]["device"]`, with its source
+(`memory_report()["sources"]["device"]`). Where XLA separates host from device memory (GPU:
+memory kinds `device` and `pinned_host` are apart in `memory_analysis()`), every probe's device
+bytes are compiled, and so is the ratio. On CPU, where XLA counts host and device memory
+together, the baseline's are still compiled but the offload probes' are modelled (see
+`jaxspeed.memory`): the host-resident state (from the arrays) and the streamed layers'
+gradients (all but one layer's) are subtracted from the compiled total, and one layer's
+fetched params are added back. That credit assumes the peak comes when the gradients are done;
+if it comes at the start of the backward pass instead, the saved layer inputs (full remat: one
+residual stream per layer) are still live. So modelled probes add `(n_layers - 1) x seq x
+d_model x 2` bytes (bf16) to stay an upper bound, and the ratio's source is then `model`. The
+JSON line names each field's source (`sources`) and keeps the compiled totals
+(`compiled_total_bytes`, host and device together on CPU). The model family scales the width
+(head dim 128, d_ff = 4·d_model) at fixed depth; a binary search finds the widest model that
+fits. Headline: ratio = largest params with offload / largest params without.
 """
 
 from __future__ import annotations
@@ -68,19 +74,23 @@ def bench_config(width: int, *, setup: dict, offload: bool):
 
 def measure(width: int, *, setup: dict, offload: bool) -> dict:
     from jaxspeed.engine import initialize
+    from jaxspeed.memory import MODEL
     from jaxspeed.models.gpt import count_params
 
     start = time.perf_counter()
     engine = initialize(bench_config(width, setup=setup, offload=offload))
     report = engine.memory_report()
-    per_device = report["per_device_bytes"]
-    margin = (setup["n_layers"] - 1) * setup["seq_len"] * width * 2 if offload else 0
+    per_device, sources = report["per_device_bytes"], report["sources"]
+    modelled = sources["device"] == MODEL
+    margin = (setup["n_layers"] - 1) * setup["seq_len"] * width * 2 if modelled else 0
     return {
         "width": width,
         "n_params": count_params(engine.abstract_state().params),
         "device": per_device["device"] + margin,
         "host": per_device["host"],
         "temp": per_device["temp"],
+        "total": per_device["total"],
+        "sources": {name: sources[name] for name in ("device", "host", "temp", "total")},
         "seconds": time.perf_counter() - start,
     }
 
@@ -101,13 +111,46 @@ def largest_fitting(budget: int, *, setup: dict, offload: bool, log: list) -> di
     return best
 
 
+def describe_sources(log: list[dict]) -> tuple[str, list[str]]:
+    """The ratio's source (`compiled` only if every probe's device bytes are) and the lines
+    saying which device figures are modelled."""
+    from jaxspeed.memory import COMPILED, MODEL
+
+    by_probe = {
+        probe: {r["sources"]["device"] for r in log if r["offload"] == (probe == "offload")}
+        for probe in ("baseline", "offload")
+    }
+    if all(s == {COMPILED} for s in by_probe.values()):
+        return COMPILED, [
+            "device MiB: compiled for every probe (XLA's memory_analysis() of the step, host "
+            "memory apart); ratio source: compiled"
+        ]
+    lines = [
+        f"device MiB of {probe} probes: {', '.join(sorted(s))}" for probe, s in by_probe.items()
+    ]
+    lines.append(
+        "modelled = this backend's memory_analysis() counts host and device memory together: "
+        "compiled total - host-resident state (arrays) + one streamed layer's fetched params "
+        "- all but one layer's streamed gradients + the remat margin (jaxspeed.memory); host "
+        "MiB is summed from the arrays' memory kinds"
+    )
+    lines.append("ratio source: model (the offload search is decided by modelled device bytes)")
+    return MODEL, lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny budget and models (for tests)")
     parser.add_argument("--budget", default=None, help="device memory per device (default 16GiB)")
+    parser.add_argument(
+        "--devices", type=int, default=_common.DEVICES,
+        help="devices to plan for (default 8 emulated CPU devices; with JAX_PLATFORMS=cuda, "
+        "that many GPUs, whose compiled figures separate host memory)",
+    )
     args = parser.parse_args(argv)
-    _common.use_cpu_devices()
+    _common.use_cpu_devices(args.devices)
     from jaxspeed.config import parse_bytes
+    from jaxspeed.memory import ARRAYS, COMPILED
 
     setup = dict(QUICK if args.quick else FULL)
     budget = parse_bytes(args.budget or setup["budget"])
@@ -117,27 +160,33 @@ def main(argv: list[str] | None = None) -> int:
     mib = _common.mib
     print(
         f"Largest reference GPT within {mib(budget):,.0f} MiB of device memory per device: "
-        f"ZeRO-3 on {_common.DEVICES} devices, {setup['n_layers']} layers, seq "
+        f"ZeRO-3 on {args.devices} devices, {setup['n_layers']} layers, seq "
         f"{setup['seq_len']}, micro 1, bf16 + fp32 masters, AdamW, full remat."
     )
     print()
     _common.print_table(
-        ["probe", "d_model", "params", "device MiB", "host MiB", "temp MiB", "fits", "s"],
+        ["probe", "d_model", "params", "device MiB", "source", "host MiB", "source",
+         "compiled total MiB", "temp MiB", "fits", "s"],
         [
             ["offload" if r["offload"] else "baseline", r["width"], r["n_params"],
-             mib(r["device"]), mib(r["host"]), mib(r["temp"]), r["fits"], r["seconds"]]
+             mib(r["device"]), r["sources"]["device"], mib(r["host"]), r["sources"]["host"],
+             mib(r["total"]), mib(r["temp"]), r["fits"], r["seconds"]]
             for r in log
         ],
     )
+    ratio_source, source_lines = describe_sources(log)
     ratio = _common.ratio(off["n_params"], base["n_params"])
     print()
+    for line in source_lines:
+        print(line)
     print(
         f"largest: {base['n_params']:,} params without offload (d_model {base['width']}), "
-        f"{off['n_params']:,} with offload (d_model {off['width']}): {ratio}x"
+        f"{off['n_params']:,} with offload (d_model {off['width']}): {ratio}x "
+        f"(source: {ratio_source})"
     )
     _common.print_json(_common.result(
         NAME,
-        case=f"budget={mib(budget):.0f}MiB devices={_common.DEVICES} stage=3 bf16 remat=full",
+        case=f"budget={mib(budget):.0f}MiB devices={args.devices} stage=3 bf16 remat=full",
         jaxspeed=off["n_params"],
         baseline=base["n_params"],
         unit="params",
@@ -145,7 +194,18 @@ def main(argv: list[str] | None = None) -> int:
         budget_bytes=budget,
         device_bytes={"offload": off["device"], "baseline": base["device"]},
         host_bytes_offload=off["host"],
+        compiled_total_bytes={"offload": off["total"], "baseline": base["total"]},
         d_model={"offload": off["width"], "baseline": base["width"]},
+        sources={
+            "jaxspeed": ARRAYS,
+            "baseline": ARRAYS,
+            "ratio": ratio_source,
+            "device_bytes": {
+                "offload": off["sources"]["device"], "baseline": base["sources"]["device"],
+            },
+            "host_bytes_offload": off["sources"]["host"],
+            "compiled_total_bytes": COMPILED,
+        },
     ))
     return 0
 

@@ -1,4 +1,10 @@
-"""Per-device memory of a plan: from the arrays' shardings and from the compiled step."""
+"""Per-device memory of a plan: from the arrays' shardings and from the compiled step.
+
+Every figure says where it comes from (`SOURCES`): `compiled` is read from XLA's
+`memory_analysis()` of the compiled train step, `arrays` is summed from the shardings (and
+memory kinds) of the state, and `model` is jaxspeed's own arithmetic for what XLA does not
+report on this backend. Nothing labelled `compiled` holds a modelled adjustment.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +16,21 @@ import numpy as np
 
 from jaxspeed.offload import on_host
 
+COMPILED, ARRAYS, MODEL = "compiled", "arrays", "model"
+#: The values of a report's `sources` and of each `device_model` row's `source`.
+SOURCES = (COMPILED, ARRAYS, MODEL)
+
 #: Said in reports when XLA's analysis cannot tell host from device memory (the CPU backend).
 HOST_NOTE = (
-    "this backend's memory_analysis() counts host and device memory together; host bytes "
-    "come from the arrays' memory kinds and are subtracted to give device bytes"
+    "this backend's memory_analysis() counts host and device memory together: host bytes are "
+    "summed from the arrays' memory kinds (source: arrays), and device memory needed is "
+    "modelled from the compiled total (source: model; rows under it)"
+)
+
+#: Said with HOST_NOTE when the model streams its layers from the host.
+STREAM_NOTE = (
+    "the streamed layers' gradients go to host memory as the backward pass makes them: the "
+    "model subtracts all but one layer's from the compiled temp"
 )
 
 
@@ -40,16 +57,10 @@ def _compiled_stats(compiled) -> dict[str, int]:
     return stats
 
 
-#: Said with HOST_NOTE when the model streams its layers from the host.
-STREAM_NOTE = (
-    "the streamed layers' gradients go to host memory as the backward pass makes them: all "
-    "but one layer's are subtracted from temp too"
-)
-
-
-def _streamed_bytes(engine, state, *, temp: int, grads: int) -> tuple[int, int]:
-    """`(added, credit)`: device bytes the step needs for host-resident state, and the
-    streamed gradients in `temp` that live on the host (when XLA does not count them).
+def _offload_terms(engine, state, *, temp: int, grads: int) -> dict[str, int]:
+    """The modelled terms of device memory when XLA counts host state as device memory:
+    `fetched` and `update` (device bytes the step needs for host-resident state) and
+    `streamed_grads` (the streamed gradients in `temp` that live on the host).
 
     Offloaded params travel as their compute-dtype copy (cast on the host) for the forward
     and backward passes, next to the activations. Layers the model streams (`offload.fetch`)
@@ -70,31 +81,48 @@ def _streamed_bytes(engine, state, *, temp: int, grads: int) -> tuple[int, int]:
         mask = jax.tree.leaves(engine.streamed_params)
         streamed = [x for x, s in zip(leaves, mask, strict=True) if s]
     others = host_bytes(leaves) - host_bytes(streamed)
-    compute = others * itemsize // 4
+    fetched = others * itemsize // 4
     credit = 0
     if streamed:
         units = streamed[0].shape[0]
-        compute += host_bytes(streamed) // units * (4 + itemsize) // 4
+        fetched += host_bytes(streamed) // units * (4 + itemsize) // 4
         credit = host_bytes(streamed) * (units - 1) // units
     update = 0
     if engine.config.zero_optimization.offload_optimizer.update_on != "host":
         scratch = temp - credit
         update = max(0, grads + host_bytes(leaves) + host_bytes(state.opt_state) - scratch)
-    return compute + update, credit
+    return {"fetched": fetched, "update": update, "streamed_grads": credit}
+
+
+def _device_model(total: int, on_host_state: int, terms: dict[str, int]) -> list[dict[str, Any]]:
+    """The rows that sum to the modelled device bytes, each with its sign applied and source."""
+    rows = [
+        ("compiled_total", total, COMPILED),
+        ("host_state", -on_host_state, ARRAYS),
+        ("fetched", terms["fetched"], MODEL),
+        ("update", terms["update"], MODEL),
+        ("streamed_grads", -terms["streamed_grads"], MODEL),
+    ]
+    return [{"term": term, "bytes": value, "source": source} for term, value, source in rows]
 
 
 def memory_report(engine) -> dict[str, Any]:
     """Per-device bytes for params / grads / opt state / temp / host, estimated and compiled.
 
-    `estimate` comes from the plan's shardings; `compiled` from XLA's `memory_analysis()` of
-    the jitted train step. `per_device_bytes.temp` is the compiled scratch (activations,
-    gradients, collectives' buffers); `total` = arguments + outputs − aliased + temp, on
-    device and host together; `device` is what must fit in device memory.
+    `estimate` comes from the plan's shardings (source `arrays`); `compiled` is XLA's
+    `memory_analysis()` of the jitted train step, unchanged (source `compiled`).
+    `per_device_bytes.temp` is the compiled scratch (activations, gradients, collectives'
+    buffers); `total` = arguments + outputs − aliased + temp (on CPU, host memory included),
+    always compiled; `device` is what must fit in device memory. `sources` names, for each
+    key of `per_device_bytes`, where its figure comes from (`SOURCES`).
 
-    Where XLA separates host memory (GPU, TPU), `device` and `host_bytes` come from the
-    analysis. Where it does not (CPU), the host-resident state is subtracted and the state
-    the step streams through the device is added back, net of streamed layers' gradients
-    (XLA on CPU elides those copies; see `_streamed_bytes`); `notes` says so.
+    Where XLA separates host memory (GPU, TPU), `device` and `host_bytes` are compiled. Where
+    it does not (CPU) and state lives on the host, `host` is summed from the arrays' memory
+    kinds, and `device` is modelled: the host-resident state is subtracted from the compiled
+    total and the state the step streams through the device is added back, net of streamed
+    layers' gradients (XLA on CPU elides those copies; see `_offload_terms`). Then
+    `device_model` lists the terms, each with its source, and `notes` says so; otherwise
+    `device_model` is empty.
     """
     state = engine.abstract_state()
     estimate = {
@@ -105,28 +133,33 @@ def memory_report(engine) -> dict[str, Any]:
     compiled = _compiled_stats(engine.compile_train_step())
     total = compiled["argument"] + compiled["output"] - compiled["alias"] + compiled["temp"]
     on_host_state = host_bytes(state)
-    notes = []
+    notes, device_model = [], []
+    sources = {name: ARRAYS for name in estimate} | {"temp": COMPILED, "total": COMPILED}
     host_fields = ("host_argument", "host_output", "host_temp")
     if any(compiled[name] for name in host_fields):
         host = compiled["host_argument"] + compiled["host_output"] - compiled["host_alias"]
         host += compiled["host_temp"]
         device = total
-    else:
-        host = on_host_state
-        added, credit = _streamed_bytes(
-            engine, state, temp=compiled["temp"], grads=estimate["grads"]
-        )
-        device = total - on_host_state + added - credit
-        if on_host_state:
-            notes.append(HOST_NOTE)
-        if credit:
+        sources |= {"device": COMPILED, "host": COMPILED}
+    elif on_host_state:
+        terms = _offload_terms(engine, state, temp=compiled["temp"], grads=estimate["grads"])
+        device_model = _device_model(total, on_host_state, terms)
+        host, device = on_host_state, sum(row["bytes"] for row in device_model)
+        sources |= {"device": MODEL, "host": ARRAYS}
+        notes.append(HOST_NOTE)
+        if terms["streamed_grads"]:
             notes.append(STREAM_NOTE)
+    else:  # nothing on the host: the compiled total is all device memory
+        host, device = 0, total
+        sources |= {"device": COMPILED, "host": COMPILED}
     return {
         "mesh": dict(engine.mesh.shape),
         "zero_stage": engine.plan.stage,
         "per_device_bytes": {
             **estimate, "temp": compiled["temp"], "total": total, "device": device, "host": host,
         },
+        "sources": sources,
+        "device_model": device_model,
         "estimate": {**estimate, "state_total": sum(estimate.values()), "host": on_host_state},
         "compiled": compiled,
         "host_bytes": host,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxspeed.memory import COMPILED
 from jaxspeed.profiler import COLLECTIVES
 from jaxspeed.sharding.explain import format_bytes
 
@@ -12,23 +13,47 @@ def _fmt(value) -> str:
     return "" if value is None else format_bytes(value)
 
 
+#: Labels of the `device_model` rows (`jaxspeed.memory`), indented under the device row.
+DEVICE_MODEL_ROWS = {
+    "compiled_total": "    = total",
+    "host_state": "    - host-resident state",
+    "fetched": "    + fetched for compute",
+    "update": "    + fetched for the update",
+    "streamed_grads": "    - streamed grads in host memory",
+}
+#: Printed under the memory table: what each value of the source column means.
+SOURCE_LEGEND = (
+    "source: compiled = read from XLA's memory_analysis() of the compiled step; arrays = "
+    "summed from the state's shardings and memory kinds (the estimate column always is); "
+    "model = jaxspeed's arithmetic, not measured by XLA"
+)
+
+
 def format_memory(report: dict[str, Any]) -> list[str]:
+    """The memory table: the estimate (arrays), the step's figure and where that figure is from."""
     est, comp, per = report["estimate"], report["compiled"], report["per_device_bytes"]
+    src = report["sources"]
     rows = [
-        ("params", est["params"], None),
-        ("grads", est["grads"], None),
-        ("opt_state", est["opt_state"], None),
-        ("arguments (state + batch)", None, comp["argument"]),
-        ("outputs", None, comp["output"]),
-        ("aliased (donated)", None, -comp["alias"]),
-        ("temp (activations, grads, buffers)", None, comp["temp"]),
-        ("total", est["state_total"], per["total"]),
-        ("  of which in host memory", est["host"], per["host"]),
-        ("  device memory needed", None, per["device"]),
+        ("params", est["params"], None, src["params"]),
+        ("grads", est["grads"], None, src["grads"]),
+        ("opt_state", est["opt_state"], None, src["opt_state"]),
+        ("arguments (state + batch)", None, comp["argument"], COMPILED),
+        ("outputs", None, comp["output"], COMPILED),
+        ("aliased (donated)", None, -comp["alias"], COMPILED),
+        ("temp (activations, grads, buffers)", None, per["temp"], src["temp"]),
+        ("total", est["state_total"], per["total"], src["total"]),
+        ("  of which in host memory", est["host"], per["host"], src["host"]),
+        ("  device memory needed", None, per["device"], src["device"]),
     ]
-    lines = [f"{'per device':36s} {'estimate':>12s} {'compiled':>12s}"]
-    lines += [f"{name:36s} {_fmt(e):>12s} {_fmt(c):>12s}" for name, e, c in rows]
-    lines += [f"note: {note}" for note in report.get("notes", [])]
+    rows += [
+        (DEVICE_MODEL_ROWS[row["term"]], None, row["bytes"], row["source"])
+        for row in report["device_model"]
+        if row["bytes"] or row["term"] in ("compiled_total", "host_state")
+    ]
+    lines = [f"{'per device':36s} {'estimate':>12s} {'step':>12s}  source"]
+    lines += [f"{name:36s} {_fmt(e):>12s} {_fmt(c):>12s}  {s}" for name, e, c, s in rows]
+    lines.append(SOURCE_LEGEND)
+    lines += [f"note: {note}" for note in report["notes"]]
     return lines
 
 
@@ -58,4 +83,7 @@ def format_plan(report: dict[str, Any]) -> str:
     lines = format_memory(report) + [""] + format_profile(report["profile"])
     if report.get("fit") is not None:
         lines += ["", report["fit"]["message"]]
+        source = report["sources"]["device"]
+        if source != COMPILED:
+            lines.append(f"(the verdict compares device memory needed, source: {source})")
     return "\n".join(lines)

@@ -100,6 +100,12 @@ def test_plan_json_reports_per_device_bytes(tmp_path):
         per_device = report["per_device_bytes"]
         assert {"params", "grads", "opt_state", "temp", "total", "device", "host"} == set(per_device)
         assert report["host_bytes"] == 0 and per_device["device"] == per_device["total"]
+        # Nothing offloaded: every step figure is XLA's, only the state estimates are summed.
+        assert report["sources"] == {
+            "params": "arrays", "grads": "arrays", "opt_state": "arrays",
+            "temp": "compiled", "total": "compiled", "device": "compiled", "host": "compiled",
+        }
+        assert report["device_model"] == []
         assert report["profile"]["flops"] > 0 and report["fit"] is None
         stage[s] = report["per_device_bytes"]
     assert stage[3]["params"] < stage[0]["params"] / 4
@@ -113,3 +119,19 @@ def test_plan_table(tmp_path):
     assert "layers/mlp/wi" in proc.stdout and "tensor" in proc.stdout
     assert "estimate" in proc.stdout and "compiled" in proc.stdout
     assert "collective bytes per device per step" in proc.stdout and "all-gather" in proc.stdout
+
+
+def test_plan_table_labels_modelled_rows_with_offload(tmp_path):
+    proc = run_cli("plan", write(tmp_path, "tiny.json", TINY), "--cpu-devices", "8",
+                   "--device-memory", "1GiB", "--set", "zero_optimization.stage=3",
+                   "--set", "zero_optimization.offload_optimizer.device=cpu",
+                   "--set", "zero_optimization.offload_param.device=cpu")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    source = {line[:36].rstrip(): line.split()[-1] for line in lines if line.strip()}
+    assert any(line.startswith("per device  ") and line.endswith("  source") for line in lines)
+    assert source["total"] == "compiled"
+    assert source["  of which in host memory"] == "arrays"
+    assert source["  device memory needed"] == "model"
+    assert source["    - streamed grads in host memory"] == "model"
+    assert "(the verdict compares device memory needed, source: model)" in lines

@@ -137,6 +137,15 @@ def test_offload_shows_in_the_plan_and_the_memory_report():
     assert per_device["device"] == (
         per_device["total"] - estimate["host"] + fetched - layers // 2 + device_update
     )
+    # ... and says which of those figures are modelled: the compiled total stays as XLA gave it.
+    assert [(r["term"], r["bytes"], r["source"]) for r in report["device_model"]] == [
+        ("compiled_total", per_device["total"], "compiled"),
+        ("host_state", -estimate["host"], "arrays"),
+        ("fetched", fetched, "model"),
+        ("update", device_update, "model"),
+        ("streamed_grads", -(layers // 2), "model"),
+    ]
+    assert report["sources"]["device"] == "model" and report["sources"]["host"] == "arrays"
     assert report["notes"] == [HOST_NOTE, STREAM_NOTE]
 
 
