@@ -81,11 +81,15 @@ def options(config) -> dict[str, str]:
             f"no MaxText equivalent for {[k for k, v in unsupported.items() if v]} of this "
             "config; the peer covers llama-shaped models on data x tensor meshes with remat "
             f"{sorted(REMAT)}")
-    data = data_parallel_size(make_mesh(mesh))
+    device_mesh = make_mesh(mesh)
+    data = data_parallel_size(device_mesh)
     batch = resolve_batch(config, data)
+    # MaxText's per-device batch counts every device, tensor-parallel ones too: the same global
+    # batch of sequences per micro step is micro x data / devices of them.
+    per_device = batch.micro_batch_per_device * data / device_mesh.devices.size
     params = config.optimizer.params
     return {
-        "per_device_batch_size": str(batch.micro_batch_per_device),
+        "per_device_batch_size": f"{per_device:g}",
         "gradient_accumulation_steps": str(batch.accumulation_steps),
         "max_target_length": str(config.data.seq_len),
         "vocab_size": str(m.vocab_size), "base_emb_dim": str(m.d_model),

@@ -7,7 +7,8 @@ devices, fp32 weights. Three configurations of it (`CONFIGS`):
   2. data8_zero1: ZeRO-1 over data 8 (MaxText's data 8 + `shard_optimizer_over_data`), fp32,
      no remat;
   3. fsdp4_tensor2: ZeRO-3 over data 4 x tensor 2 (MaxText's FSDP 4 x tensor 2), bf16, full
-     remat.
+     remat, two sequences per data replica.
+Every configuration trains 8 sequences (2,048 tokens) per step.
 jaxspeed runs `jaxspeed.train_loop.train(...)` with a metrics line every step. With
 `--maxtext PYTHON` (a Python with MaxText installed: `make maxtext`), MaxText trains the same
 model, mesh, precision and remat (`maxtext_peer.options`) on synthetic tokens. The two run
@@ -47,8 +48,9 @@ CONFIG = _common.ROOT / "configs" / "bench_tiny_llama.yaml"
 CONFIGS = {
     "data8_zero1": ("data 8 (ZeRO-1), fp32, no remat", [
         "zero_optimization.stage=1", "bf16.enabled=false", "activation_checkpointing.policy=none"]),
+    # Two sequences per data replica: the same 8 x 256 tokens per step as the others.
     "fsdp4_tensor2": ("FSDP 4 x tensor 2 (ZeRO-3), bf16, full remat",
-                      ["mesh.data=4", "mesh.tensor=2"]),
+                      ["mesh.data=4", "mesh.tensor=2", "train_micro_batch_size_per_device=2"]),
     "fsdp8": ("FSDP 8 (ZeRO-3), bf16, full remat", []),
 }
 FULL = {"steps": 20, "skip": 5, "rounds": 2, "overrides": [], "peak_sizes": (2048, 4096),
@@ -188,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         tokens_per_step = batch.train_batch_size * config.data.seq_len
         flops_per_token = initialize(config).step_flops() / tokens_per_step
         peer = maxtext_peer.options(config) if args.maxtext else None
+        if peer is not None:  # both trainers must train the same tokens per step
+            peer_tokens = (float(peer["per_device_batch_size"]) * jax.device_count()
+                           * int(peer["gradient_accumulation_steps"])
+                           * int(peer["max_target_length"]))
+            assert peer_tokens == tokens_per_step, (peer_tokens, tokens_per_step)
         runs = {"jaxspeed": [], "maxtext": []}
         for r in range(rounds):
             print(f"[{name}] round {r + 1}/{rounds}: jaxspeed", file=sys.stderr, flush=True)
