@@ -34,6 +34,9 @@ class Fit:
     device_bytes: int
     budget: int
     overrides: tuple[str, ...] = ()
+    #: Where `device_bytes` comes from: `memory_report`'s `sources["device"]` ("compiled", or
+    #: "model" where XLA counts host and device memory together and offload is on).
+    source: str = "compiled"
 
     @property
     def fits(self) -> bool:
@@ -66,7 +69,9 @@ class Verdict:
             )
         else:
             sets = " ".join(f"--set {o}" for o in self.suggestion.overrides)
-            lines.append(f"suggestion (compiled, {self.suggestion.describe()}): {sets}")
+            lines.append(
+                f"suggestion (checked by compiling; device bytes: {self.suggestion.source}; "
+                f"{self.suggestion.describe()}): {sets}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,7 +149,7 @@ def check_fit(
     budget: int,
     *,
     batch: BatchSizes,
-    device_bytes: Callable[[Config], int],
+    device_bytes: Callable[[Config], tuple[int, str]],
     suggest: bool = True,
 ) -> Verdict:
     """The verdict for `config`, with a compiled suggestion when it does not fit.
@@ -153,13 +158,15 @@ def check_fit(
       config: the plan's config.
       budget: device memory per device, in bytes.
       batch: the plan's resolved batch sizes.
-      device_bytes: compiles a config and returns its per-device device bytes.
+      device_bytes: compiles a config and returns its per-device device bytes and their
+        source ("compiled" or "model").
       suggest: look for a change that fits when the plan does not.
 
     Tries each single change of `candidate_changes` in order, then the changes stacked up in
     that order, and returns the first that fits.
     """
-    fit = Fit(device_bytes(config), budget)
+    used, source = _bytes_source(device_bytes(config))
+    fit = Fit(used, budget, source=source)
     if fit.fits or not suggest:
         return Verdict(fit)
     singles = candidate_changes(config, batch)
@@ -171,27 +178,41 @@ def check_fit(
         except JaxspeedError:  # e.g. a micro-batch the batch triple cannot take
             continue
         tried += 1
-        trial = Fit(device_bytes(candidate), budget, tuple(overrides))
+        used, source = _bytes_source(device_bytes(candidate))
+        trial = Fit(used, budget, tuple(overrides), source)
         if trial.fits:
             return Verdict(fit, trial, tried)
     return Verdict(fit, None, tried)
 
 
+def _bytes_source(value: tuple[int, str]) -> tuple[int, str]:
+    used, source = value
+    return int(used), str(source)
+
+
+def _device_bytes(report: dict[str, Any]) -> tuple[int, str]:
+    return report["per_device_bytes"]["device"], report["sources"]["device"]
+
+
 def compiled_device_bytes(config: Config, *, mesh=None) -> int:
     """Per-device device bytes of the reference GPT's compiled train step under `config`."""
+    return _device_bytes(_memory_report(config, mesh))[0]
+
+
+def _memory_report(config: Config, mesh) -> dict[str, Any]:
     from jaxspeed.engine import initialize
 
-    return initialize(config, mesh=mesh).memory_report()["per_device_bytes"]["device"]
+    return initialize(config, mesh=mesh).memory_report()
 
 
 def engine_verdict(engine, budget: int, *, suggest: bool = True) -> Verdict:
     """`check_fit` for an engine of the reference GPT; suggestions compile on its mesh."""
     report = engine.memory_report()
 
-    def device_bytes(config: Config) -> int:
+    def device_bytes(config: Config) -> tuple[int, str]:
         if config is engine.config:
-            return report["per_device_bytes"]["device"]
-        return compiled_device_bytes(config, mesh=engine.mesh)
+            return _device_bytes(report)
+        return _device_bytes(_memory_report(config, engine.mesh))
 
     return check_fit(
         engine.config, budget, batch=engine.batch_sizes, device_bytes=device_bytes, suggest=suggest

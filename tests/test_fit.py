@@ -17,8 +17,9 @@ def fake_bytes(config):
     """A memory model: each ZeRO stage and remat step saves 10 MiB, offload 20 MiB."""
     used = 100 * MiB - 10 * MiB * config.zero_optimization.stage
     used -= 10 * MiB * (config.activation_checkpointing.policy == "full")
-    used -= 20 * MiB * (config.zero_optimization.offload_optimizer.device == "cpu")
-    return used
+    offload = config.zero_optimization.offload_optimizer.device == "cpu"
+    used -= 20 * MiB * offload
+    return used, "model" if offload else "compiled"
 
 
 def verdict(budget, *overrides):
@@ -37,6 +38,13 @@ def test_the_cheapest_single_change_comes_first():
     assert not v.fit.fits
     assert v.suggestion.overrides == ("zero_optimization.stage=2",)
     assert "over by 15.00 MiB" in v.message() and "--set zero_optimization.stage=2" in v.message()
+    assert "device bytes: compiled" in v.message()
+
+
+def test_a_modelled_suggestion_says_so():
+    v = verdict(55 * MiB, "zero_optimization.offload_optimizer.device=cpu")
+    assert v.fit.source == "model" and not v.fit.fits
+    assert v.suggestion.source == "model" and "device bytes: model" in v.message()
 
 
 def test_changes_are_stacked_when_no_single_one_fits():
