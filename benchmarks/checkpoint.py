@@ -52,7 +52,7 @@ QUICK = {
     "seq_len": 32, "repeats": 2, "steps": 1,
 }
 #: The issue's target: an async save blocks training for < 10% of a sync save.
-TARGET_FRACTION = 0.10
+STALL_TARGET = 0.10
 
 
 def bench_config(case: dict):
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(
-        f"async stall = {fraction:.1%} of a sync save (target < {TARGET_FRACTION:.0%}). The "
+        f"async stall = {fraction:.1%} of a sync save (target < {STALL_TARGET:.0%}). The "
         f"background write took {write_s:.2f} s (median, from the save call to the step folder "
         f"appearing); {sum(r['steps_overlapped'] for r in runs['async'])} of "
         f"{len(step_lists['after_async_save'])} timed steps started while it ran. Every "
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         jaxspeed=async_ms, baseline=sync_ms, unit="ms stall", ratio=r,
         save_MBps=round(save_mbps, 3), restore_MBps=round(restore_mbps, 3),
         async_write_MBps=round(write_mbps, 3),
-        stall_fraction=round(fraction, 4), target_met=fraction < TARGET_FRACTION,
+        stall_fraction=round(fraction, 4), target_met=fraction < STALL_TARGET,
         step_ms={k: None if v is None else round(v, 1) for k, v in step_ms.items()},
         state_bytes=state_bytes, n_params=n_params, repeats=repeats,
         filesystem={"path": str(root.parent), "type": fstype, "device": device, "mount": mount},

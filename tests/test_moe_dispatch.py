@@ -1,10 +1,11 @@
 """Dispatch / combine (jaxspeed/moe/dispatch.py, pallas_kernels/moe_dispatch.py).
 
-Both implementations, the Pallas kernels (interpreted on CPU) and the XLA scatter/gather path,
-are checked against a dense one-hot reference (`[T, E, C]` tensors, built here only), in the
-outputs and in every gradient: d x of dispatch, d y and d weight of combine. Routings with the
-same shapes share one compiled program, so the edge cases (empty experts, every token on one
-expert, k = E, capacities that are not a multiple of the block) cost little.
+Both implementations, the Pallas kernels (interpreted on CPU, compiled on a GPU) and the XLA
+scatter/gather path, are checked against a dense one-hot reference (`[T, E, C]` tensors, built
+here only), in the outputs and in every gradient: d x of dispatch, d y and d weight of combine,
+in fp32 and bf16. Routings with the same shapes share one compiled program, so the edge cases
+(empty experts, every token on one expert, k = E, capacities that are not a multiple of the
+block) cost little.
 """
 
 import functools
@@ -17,7 +18,7 @@ from gpu_lowering import lower_for_cuda
 
 from jaxspeed.moe.dispatch import combine, dispatch
 from jaxspeed.moe.gating import Routing
-from numerics import assert_close, sum_rtol
+from numerics import assert_close, mixed_rtol, sum_rtol
 from pallas_kernels import moe_kernels as kernels
 
 
@@ -37,15 +38,21 @@ def random_choices(rng, tokens, k, experts):
     return np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
 
 
-def make_case(seed, expert_index, num_experts, capacity, width):
+def make_case(seed, expert_index, num_experts, capacity, width, dtype="float32"):
+    """Random operands, rounded to `dtype` (but held as float32, for the reference); the
+    combine weights stay fp32, as the gate computes them."""
     rng = np.random.default_rng(seed)
     tokens, k = expert_index.shape
-    normal = lambda *shape: rng.normal(size=shape).astype(np.float32)  # noqa: E731
+
+    def normal(*shape):
+        return rng.normal(size=shape).astype(jnp.dtype(dtype)).astype(np.float32)
+
     return dict(
         expert_index=expert_index, position=fill_slots(expert_index, num_experts),
         weight=rng.random((tokens, k)).astype(np.float32), x=normal(tokens, width),
         y=normal(num_experts, capacity, width), d_dispatched=normal(num_experts, capacity, width),
-        d_combined=normal(tokens, width), num_experts=num_experts, capacity=capacity)
+        d_combined=normal(tokens, width), num_experts=num_experts, capacity=capacity,
+        dtype=dtype)
 
 
 def dense_reference(case):
@@ -91,32 +98,40 @@ def compiled(impl, num_experts, capacity):
 
 def check(case, impl):
     fn = compiled(impl, case["num_experts"], case["capacity"])
+    dtype = case["dtype"]
+    low = ("x", "y", "d_dispatched", "d_combined")  # in `dtype`; the routing as built
     names = ("x", "y", "expert_index", "position", "weight", "d_dispatched", "d_combined")
-    got = fn(*(jnp.asarray(case[n]) for n in names))
+    got = fn(*(jnp.asarray(case[n], dtype if n in low else None) for n in names))
     want = dense_reference(case)
     assert got["dispatched"].shape == (case["num_experts"], case["capacity"], case["x"].shape[1])
+    assert got["dispatched"].dtype == got["combined"].dtype == got["dx"].dtype == dtype
     # Dispatch copies rows: exact. The rest is one sum each against float64 (tests/numerics.py):
-    # over the k choices (dx, combined), over the width (d weight), or a product (dy).
-    np.testing.assert_array_equal(got.pop("dispatched"), want.pop("dispatched"))
+    # over the k choices (dx, combined), over the width (d weight), or a product (dy), in fp32;
+    # in bf16 the result is rounded once more, to bf16 (point 4; d weight stays fp32).
+    np.testing.assert_array_equal(np.asarray(got.pop("dispatched"), np.float32),
+                                  want.pop("dispatched"))
     width, k = case["x"].shape[1], case["expert_index"].shape[1]
-    assert_close(got, want, rtol=sum_rtol(max(width, k)))
+    rtol = (sum_rtol(max(width, k)) if dtype == "float32" else
+            mixed_rtol(width=max(width, k), depth=1, casts=1, dtype=dtype))
+    assert_close(got, want, rtol=rtol)
 
 
-def edge_cases(seed, tokens, experts, capacity, width):
+def edge_cases(seed, tokens, experts, capacity, width, dtype="float32"):
     """Top-2 choices: random (with drops); only experts 0 and 1 used (the others get no
     tokens); every first choice on expert 0."""
     rng = np.random.default_rng(seed)
     random = random_choices(rng, tokens, 2, experts)
     two_experts = np.stack([rng.permutation(2) for _ in range(tokens)]).astype(np.int32)
     one_expert = np.stack([np.zeros(tokens), rng.integers(1, experts, tokens)], 1)
-    return [make_case(seed + i, e.astype(np.int32), experts, capacity, width)
+    return [make_case(seed + i, e.astype(np.int32), experts, capacity, width, dtype)
             for i, e in enumerate((random, two_experts, one_expert))]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_matches_dense_reference_with_drops_and_edge_cases(impl):
+def test_matches_dense_reference_with_drops_and_edge_cases(impl, dtype):
     # C = 7 is not a multiple of any block; E * C = 28 and M = 24 are padded by the kernels.
-    for case in edge_cases(0, tokens=40, experts=4, capacity=7, width=24):
+    for case in edge_cases(0, tokens=40, experts=4, capacity=7, width=24, dtype=dtype):
         assert (case["position"] >= 7).any()
         check(case, impl)
 
