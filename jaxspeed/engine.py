@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ class Engine:
             micro_sharding=self._micro_sharding,
             fp16=config.fp16 if config.fp16.enabled else None,
             offload=self._offload_spec(),
+            gathered_params=self._gathered_params(),
         )
         dp = data_parallel_size(mesh)
         shardings = self.state_shardings
@@ -100,6 +102,24 @@ class Engine:
         return WARMUP if step is None or step < self.freeze_step else COMPRESSED
 
     # -- layouts ------------------------------------------------------------------------
+    def _gathered_params(self):
+        """ZeRO-3's compute params gathered once per step, when they all fit the live budget.
+
+        Not with offloaded params (they stream from the host) or a pipeline (each stage holds
+        its own layers).
+        """
+        zero = self.config.zero_optimization
+        if zero.stage < 3 or zero.offload_param.device != "none" or self.mesh.shape.get(
+                PIPE, 1) > 1:
+            return None
+        return self.plan.params_gathered if self.param_count <= zero.max_live_parameters else None
+
+    @property
+    def param_count(self) -> int:
+        """The model's number of parameters."""
+        leaves = jax.tree.leaves(self.plan.leaves, is_leaf=lambda x: isinstance(x, LeafPlan))
+        return sum(math.prod(leaf.shape) for leaf in leaves)
+
     def _offload_spec(self) -> OffloadSpec | None:
         """Device/host shardings the step moves offloaded state between (None: no offload)."""
         plan = self.plan

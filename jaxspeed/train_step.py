@@ -73,6 +73,10 @@ class StepSpec(NamedTuple):
     micro_sharding: Callable[[int], Any]
     fp16: Any = None
     offload: OffloadSpec | None = None
+    #: ZeRO-3 with all params within `zero_optimization.max_live_parameters`: the shardings
+    #: the compute params are gathered to once per step (else None: gathered layer by layer,
+    #: as each use needs them).
+    gathered_params: Any = None
 
 
 def split_microbatches(batch, accumulation: int, data_parallel: int, micro_sharding):
@@ -170,6 +174,8 @@ def _compute_params(spec: StepSpec, params):
     """
     cast = functools.partial(precision.cast_floating, dtype=spec.compute_dtype)
     off = spec.offload
+    if spec.gathered_params is not None:  # cast first: the gather moves compute-dtype bytes
+        return jax.lax.with_sharding_constraint(cast(params), spec.gathered_params)
     if off is None or off.params is None:
         return cast(params)
     if off.streamed is None:

@@ -236,6 +236,8 @@ def test_bad_zero_stage(stage):
         ({"data": {"source": "path"}}, r"data: source is 'path' but no path"),
         ({"data": {"seq_len": 512}}, r"data\.seq_len=512 is longer than model\.max_seq_len=256"),
         ({"hardware": {"device_memory": "80 gigs"}}, r"hardware\.device_memory: cannot parse"),
+        ({"zero_optimization": {"max_live_parameters": -1}},
+         r"max_live_parameters: .*greater than or equal to 0"),
     ],
 )
 def test_invalid_values(raw, match):
@@ -415,6 +417,12 @@ def test_deepspeed_activation_checkpointing():
     assert cfg.activation_checkpointing.policy == "offload_dots"
     cfg = load_config({"activation_checkpointing": {"partition_activations": False}})
     assert cfg.activation_checkpointing.policy == "none"
+
+
+def test_deepspeed_max_live_parameters():
+    cfg = load_config({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 3e7}})
+    assert cfg.zero_optimization.max_live_parameters == 30_000_000
+    assert load_config(None).zero_optimization.max_live_parameters == 1_000_000_000
 
 
 def test_deepspeed_tensorboard_section():

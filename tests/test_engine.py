@@ -51,15 +51,20 @@ def run_engine(cfg, dataset, n=STEPS, global_batch=GLOBAL_BATCH):
 
 
 MESHES = {"data8": ["mesh.data=8"], "data4_tensor2": ["mesh.data=4", "mesh.tensor=2"]}
+#: Stage 3 gathers the tiny model once per step (it is under `max_live_parameters`); "3/layer"
+#: is stage 3 gathering each layer at each use, as a model over the budget does.
+STAGES = (0, 1, 2, 3, "3/layer")
+STAGE_OVERRIDES = {s: [f"zero_optimization.stage={s}"] for s in range(4)} | {
+    "3/layer": ["zero_optimization.stage=3", "zero_optimization.max_live_parameters=0"]}
 
 
 @pytest.fixture(scope="module")
 def engine_runs(dataset):
     runs = {}
     for mesh_name, mesh in MESHES.items():
-        for stage in range(4):
+        for stage in STAGES:
             runs[mesh_name, stage] = run_engine(
-                tiny_config(*mesh, f"zero_optimization.stage={stage}"), dataset
+                tiny_config(*mesh, *STAGE_OVERRIDES[stage]), dataset
             )
     return runs
 
@@ -95,7 +100,7 @@ def single_device(engine_runs, dataset):
     return reference_from(engine, dataset)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_zero_matches_single_device(engine_runs, single_device, mesh_name, stage):
     ref_losses, ref_params = single_device
@@ -108,13 +113,13 @@ def test_zero_matches_single_device(engine_runs, single_device, mesh_name, stage
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_zero_stages_agree_with_each_other(engine_runs, mesh_name):
     _, base, base_losses = engine_runs[mesh_name, 0]
-    for stage in (1, 2, 3):
+    for stage in STAGES[1:]:
         _, state, losses = engine_runs[mesh_name, stage]
         np.testing.assert_allclose(losses, base_losses, rtol=RHO)
         assert_adam_params_close(state.params, base.params, steps=STEPS, lr=LR, rho=RHO)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", STAGES)
 def test_state_lives_in_planned_shardings(engine_runs, stage):
     engine, state, _ = engine_runs["data4_tensor2", stage]
     for arr, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(engine.state_shardings)):
@@ -218,3 +223,25 @@ def test_sharded_bytes_counts_the_whole_state(engine_runs):
     assert sharded_bytes(abstract) == sum(
         sharded_bytes(part) for part in (abstract.step, abstract.params, abstract.opt_state, abstract.rng)
     )
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_stage3_within_the_live_budget_gathers_once_per_step(engine_runs, mesh_name):
+    """Under `max_live_parameters` the step gathers every param once (bf16 would halve the
+    bytes; here fp32); layer by layer it gathers in the forward scan and again in the backward
+    scan, once per layer each time."""
+    from jaxspeed.profiler import collectives
+
+    def gathers(stage):
+        engine = engine_runs[mesh_name, stage][0]
+        ops = collectives(engine.compile_train_step().as_text(), num_devices=8)
+        gathered = [op for op in ops if op.kind == "all-gather"]
+        return sum(op.executions for op in gathered), sum(op.bytes * op.executions
+                                                          for op in gathered)
+
+    (once, once_bytes), (per_layer, per_layer_bytes) = gathers(3), gathers("3/layer")
+    engine = engine_runs[mesh_name, 3][0]
+    assert engine.config.zero_optimization.max_live_parameters >= engine.param_count
+    assert per_layer > once and per_layer_bytes > once_bytes
+    param_bytes = 4 * engine.param_count  # fp32 compute: the whole model, once
+    assert once_bytes <= param_bytes

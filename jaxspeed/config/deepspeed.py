@@ -30,6 +30,7 @@ DEEPSPEED_RENAMED: Mapping[str, str] = types.MappingProxyType(
         "bfloat16": "bf16",
         "sparse_attention": "model.sparse_attention",
         "tensorboard.enabled": "logging.tensorboard",
+        "zero_optimization.stage3_max_live_parameters": "zero_optimization.max_live_parameters",
     }
 )
 #: DeepSpeed flag → (jaxspeed key, value set when the flag is true). A key already set (by the
@@ -73,7 +74,7 @@ DEEPSPEED_IGNORED: frozenset[str] = frozenset(
         *(f"zero_optimization.{key}" for key in (
             "overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
             "reduce_scatter", "allgather_partitions", "stage3_prefetch_bucket_size",
-            "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+            "stage3_param_persistence_threshold",
             "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
             "stage3_gather_fp16_weights_on_model_save", "stage3_module_granularity_threshold",
             "sub_group_size", "round_robin_gradients", "elastic_checkpoint",

@@ -44,6 +44,13 @@ def _not_bool(value: Any) -> Any:
     return value
 
 
+def _whole_number(value: Any) -> Any:
+    """`1e9` as DeepSpeed configs write counts (a float in JSON) is the int 1_000_000_000."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def _mesh_size(value: int) -> int:
     if value < 1 and value != -1:
         raise ValueError("mesh axis size must be >= 1, or -1 to fill from the device count")
@@ -127,6 +134,13 @@ class ZeroConfig(_Section):
     """ZeRO stage (0 = replicated, 1 = optimizer state, 2 = + grads, 3 = + params) and offload."""
 
     stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_not_bool)] = 0
+    #: Stage 3: when the model has at most this many parameters, the step gathers them all
+    #: once (in the compute dtype) and keeps them for the forward pass, the recompute and the
+    #: backward pass, instead of gathering each layer for each use. DeepSpeed's
+    #: `stage3_max_live_parameters`, with its default. 0 = always gather layer by layer.
+    max_live_parameters: Annotated[
+        int, Field(strict=True, ge=0), BeforeValidator(_not_bool), BeforeValidator(_whole_number)
+    ] = 1_000_000_000
     offload_optimizer: OptimizerOffloadConfig = Field(default_factory=OptimizerOffloadConfig)
     offload_param: OffloadConfig = Field(default_factory=OffloadConfig)
 

@@ -32,6 +32,9 @@ class LeafPlan:
     grad: P
     opt: P
     notes: tuple[str, ...]
+    #: The spec without ZeRO's data-parallel axes: the whole param, as the step computes with
+    #: it once gathered (tensor, expert and pipe axes stay).
+    gathered: P = P()
 
 
 def _is_logical_leaf(x) -> bool:
@@ -78,6 +81,11 @@ class Plan:
     def params_on_device(self):
         """The stored params' shardings in device memory: where the step computes with them."""
         return self._shardings("param")
+
+    @property
+    def params_gathered(self):
+        """The params' shardings in device memory with ZeRO's partition undone (`gathered`)."""
+        return self._shardings("gathered")
 
     @property
     def grads(self):
@@ -224,5 +232,6 @@ def _plan_leaf(path, leaf, logical: Logical, mesh: Mesh, stage: int, rules: Rule
         grad=sharded if stage >= 2 else base,
         opt=sharded if stage >= 1 else base,
         notes=tuple(notes),
+        gathered=base,
     )
 
