@@ -101,6 +101,9 @@ def candidate_changes(config: Config, batch: BatchSizes) -> list[list[str]]:
     """Single config changes that lower device memory, cheapest first."""
     zero = config.zero_optimization
     changes = [[f"zero_optimization.stage={s}"] for s in range(zero.stage + 1, 4)]
+    if zero.max_live_parameters > 0:  # stage 3 gathering layer by layer, never all at once
+        changes.append([*([] if zero.stage == 3 else ["zero_optimization.stage=3"]),
+                        "zero_optimization.max_live_parameters=0"])
     policy = config.activation_checkpointing.policy
     if policy in _REMAT_ORDER:
         later = _REMAT_ORDER[_REMAT_ORDER.index(policy) + 1 :]

@@ -70,6 +70,15 @@ def test_candidates_are_valid_configs():
         resolve_batch(load_config(config, overrides=change), 8)
 
 
+def test_stage3_layer_by_layer_is_a_candidate():
+    config = load_config(None, overrides=["mesh.data=8", "zero_optimization.stage=3"])
+    changes = candidate_changes(config, resolve_batch(config, 8))
+    assert changes[0] == ["zero_optimization.max_live_parameters=0"]
+    config = load_config(None, overrides=["mesh.data=8"])
+    assert ["zero_optimization.stage=3", "zero_optimization.max_live_parameters=0"] in (
+        candidate_changes(config, resolve_batch(config, 8)))
+
+
 def test_fit_describes_both_ways():
     assert Fit(3 * MiB, 4 * MiB).describe() == "fits: 3.00 MiB of 4.00 MiB per device (75%)"
     assert "over by 1.00 MiB" in Fit(5 * MiB, 4 * MiB).describe()
