@@ -1,11 +1,9 @@
 """Every memory figure says where it comes from: compiled (XLA), arrays (shardings) or model."""
 
 import functools
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,8 +13,8 @@ from jaxspeed.memory import (
     HOST_NOTE, SOURCES, STREAM_NOTE, host_bytes, memory_report, sharded_bytes,
 )
 from jaxspeed.plan_report import format_memory
+from test_benchmarks import ROOT, load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
     "model.max_seq_len=16", "data.seq_len=16", "data.max_bytes=200000", "train_batch_size=16",
@@ -136,14 +134,6 @@ def test_the_text_table_shows_each_rows_source():
     plain = format_memory(engine(False).memory_report())
     assert row(plain, "  device memory needed").endswith("  compiled")
     assert not [line for line in plain if line.endswith("  model")]
-
-
-def load_benchmark(name: str):
-    path = ROOT / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(
