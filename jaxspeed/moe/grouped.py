@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.moe.dispatch import take_rows
+from jaxspeed.sharding.vma import vary_alike
 
 #: Block sizes (as multiples of the mean group size `N / G`) to pick from, ascending.
 CAPACITIES = (1.0, 1.25, 1.5, 2.0)
@@ -55,23 +56,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, trans_b: bool = False):
     if (rhs.shape[2] if trans_b else rhs.shape[1]) != lhs.shape[1]:
         raise ValueError(f"grouped_matmul: contracting sizes differ for lhs {lhs.shape} and "
                          f"rhs {rhs.shape} (trans_b={trans_b})")
-    return _grouped(*_vary_alike(lhs, rhs, group_sizes.astype(jnp.int32)), trans_b)
-
-
-def _varying(x) -> frozenset:
-    """The manual mesh axes `x` varies over (empty outside `shard_map`)."""
-    return frozenset(jax.typeof(x).mat.varying)
-
-
-def _vary_alike(*xs):
-    """Marks every operand varying over the union of their manual axes (inside `shard_map`).
-
-    `custom_vjp` wants each cotangent typed like its primal, and the cotangent of replicated
-    weights varies with the rows; the `pcast` (whose transpose is a `psum`) makes them alike.
-    """
-    axes = frozenset().union(*map(_varying, xs))
-    return [x if _varying(x) == axes else
-            jax.lax.pcast(x, tuple(sorted(axes - _varying(x))), to="varying") for x in xs]
+    return _grouped(*vary_alike(lhs, rhs, group_sizes.astype(jnp.int32)), trans_b)
 
 
 class _Blocks(NamedTuple):
