@@ -1,6 +1,8 @@
-"""Block-sparse attention: DeepSpeed's sparsity layouts and the kernels that use them."""
+"""Attention that scales: blocked (FlashAttention) attention, and block-sparse attention with
+DeepSpeed's sparsity layouts."""
 
 from jaxspeed.attention.block_sparse import block_sparse_attention, dense_reference
+from jaxspeed.attention.blocked import blocked_attention
 from jaxspeed.attention.sparsity import (
     BigBirdSparsityConfig,
     BSLongformerSparsityConfig,
@@ -21,6 +23,7 @@ __all__ = [
     "SparsityConfig",
     "VariableSparsityConfig",
     "block_sparse_attention",
+    "blocked_attention",
     "dense_reference",
     "sparsity_config_from_dict",
 ]

@@ -216,6 +216,20 @@ class PipelineConfig(_Section):
     virtual_stages: _PositiveInt = 2
 
 
+class AttentionConfig(_Section):
+    """How the reference GPT computes dense causal attention (`jaxspeed.models.gpt.attend`).
+
+    `reference` materialises the `[batch, heads, length, length]` scores; `blocked` is
+    FlashAttention's algorithm in plain JAX, `O(length * block)` memory
+    (`jaxspeed.attention.blocked_attention`); `fused` is `jax.nn.dot_product_attention` (cuDNN
+    on a GPU); `auto` is `fused` on a GPU and `blocked` elsewhere.
+    """
+
+    impl: Literal["auto", "fused", "blocked", "reference"] = "reference"
+    block_q: _PositiveInt = 512
+    block_kv: _PositiveInt = 512
+
+
 class ModelConfig(_Section):
     """The reference GPT; `moe` and `sparse_attention` are passed to those modules as given."""
 
@@ -230,6 +244,7 @@ class ModelConfig(_Section):
     mlp: Literal["gelu", "swiglu"] = "gelu"
     positions: Literal["rotary", "learned"] = "rotary"
     tie_embeddings: _Bool = True
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
     moe: dict[str, Any] | None = None
     sparse_attention: dict[str, Any] | None = None
 

@@ -26,12 +26,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxspeed import offload
 from jaxspeed.attention.block_sparse import IMPLS as SPARSE_IMPLS
 from jaxspeed.attention.block_sparse import block_sparse_attention
+from jaxspeed.attention.blocked import blocked_attention
 from jaxspeed.attention.sparsity import SparsityConfig, sparsity_config_from_dict
 from jaxspeed.errors import ConfigError, did_you_mean
 from jaxspeed.losses import AUX_LOSS
 from jaxspeed.moe.layer import GATING_RNG, MoE
 from jaxspeed.moe.layer import METRICS as MOE_METRICS
 from jaxspeed.remat import POLICIES, checkpoint_policy
+from pallas_kernels._backend import on_gpu
 
 Array = jax.Array
 Dtype = Any
@@ -39,6 +41,8 @@ Dtype = Any
 NORMS = ("rmsnorm", "layernorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("rotary", "learned")
+#: `model.attention.impl` values: how dense causal attention is computed (see `attend`).
+ATTENTION_IMPLS = ("auto", "fused", "blocked", "reference")
 #: `checkpoint_name` tags in each block, for `activation_checkpointing.policy: names`.
 CHECKPOINT_NAMES = ("qkv", "attn_context", "attn_out", "mlp_hidden", "mlp_out")
 
@@ -134,6 +138,30 @@ def causal_attention(q: Array, k: Array, v: Array) -> Array:
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: int) -> Array:
+    """Dense causal softmax attention, computed as `impl` says.
+
+    Args:
+      q, k, v: `[batch, length, heads, head_dim]`.
+      impl: `reference` (`causal_attention`: `[batch, heads, length, length]` fp32 scores),
+        `blocked` (`jaxspeed.attention.blocked_attention`, O(length * block) memory), `fused`
+        (`jax.nn.dot_product_attention`: cuDNN on a GPU where it applies, XLA elsewhere) or
+        `auto` (`fused` on a GPU, `blocked` elsewhere).
+      block_q, block_kv: the blocks of `blocked`.
+
+    Returns:
+      `[batch, length, heads, head_dim]` in `v`'s dtype.
+    """
+    if impl == "auto":
+        impl = "fused" if on_gpu() else "blocked"
+    if impl == "fused":
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None)
+        return y.astype(v.dtype)
+    if impl == "blocked":
+        return blocked_attention(q, k, v, causal=True, block_q=block_q, block_kv=block_kv)
+    return causal_attention(q, k, v)
+
+
 @functools.lru_cache(maxsize=32)
 def sparse_layout(config: SparsityConfig, seq_len: int) -> np.ndarray:
     """The block layout `[heads, nb, nb]` of `config` at `seq_len`, built once per pair."""
@@ -145,8 +173,9 @@ def sparse_layout(config: SparsityConfig, seq_len: int) -> np.ndarray:
 class Attention(nn.Module):
     """Multi-head causal self-attention, no biases.
 
-    With `sparse` set, the attention is restricted to that config's block layout (plus the
-    causal mask), through `jaxspeed.attention.block_sparse_attention` with `sparse_impl`.
+    Dense attention is computed by `attend` with `attention_impl` and its blocks. With
+    `sparse` set, the attention is restricted to that config's block layout (plus the causal
+    mask), through `jaxspeed.attention.block_sparse_attention` with `sparse_impl`.
     """
 
     n_heads: int
@@ -156,6 +185,9 @@ class Attention(nn.Module):
     dtype: Dtype | None = None
     sparse: SparsityConfig | None = None
     sparse_impl: str = "auto"
+    attention_impl: str = "reference"
+    block_q: int = 512
+    block_kv: int = 512
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -176,7 +208,9 @@ class Attention(nn.Module):
         if self.rotary:
             q, k = rotary_embedding(q), rotary_embedding(k)
         if self.sparse is None:
-            y = causal_attention(q, k, v)
+            y = attend(
+                q, k, v, impl=self.attention_impl, block_q=self.block_q, block_kv=self.block_kv
+            )
         else:
             layout = sparse_layout(self.sparse, q.shape[1])
             y = block_sparse_attention(q, k, v, layout, causal=True, impl=self.sparse_impl)
@@ -263,6 +297,9 @@ class Block(nn.Module):
     dtype: Dtype | None = None
     sparse: SparsityConfig | None = None
     sparse_impl: str = "auto"
+    attention_impl: str = "reference"
+    block_q: int = 512
+    block_kv: int = 512
     moe: tuple[tuple[str, Any], ...] | None = None
 
     @nn.compact
@@ -272,7 +309,8 @@ class Block(nn.Module):
         h = Norm(self.norm, self.param_dtype, name="attn_norm")(x)
         h = Attention(
             self.n_heads, self.rotary, self.out_std, self.param_dtype, self.dtype,
-            self.sparse, self.sparse_impl, name="attn",
+            self.sparse, self.sparse_impl, self.attention_impl, self.block_q, self.block_kv,
+            name="attn",
         )(h)
         x = x + h.astype(x.dtype)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
@@ -307,8 +345,9 @@ class GPT(nn.Module):
     `jaxspeed.remat.POLICIES`, applied to the scanned block; `remat_names` are the
     `CHECKPOINT_NAMES` tags it saves with policy "names". `sparse_attention` (a
     `jaxspeed.attention` sparsity config) makes every layer's attention block-sparse, through
-    `sparse_impl`. `dtype=None` computes in the dtype the parameters arrive in; logits are
-    always float32.
+    `sparse_impl`; otherwise `attention_impl` (`ATTENTION_IMPLS`, see `attend`) with
+    `attention_block_q` / `attention_block_kv` computes dense attention. `dtype=None`
+    computes in the dtype the parameters arrive in; logits are always float32.
 
     `stream_layers` (a dtype, or None) is ZeRO-Offload's parameter offload, layer by layer:
     `params["layers"]` arrive in host memory, and each scanned unit fetches its own slice to
@@ -335,6 +374,9 @@ class GPT(nn.Module):
     remat_names: tuple[str, ...] = ()
     sparse_attention: SparsityConfig | None = None
     sparse_impl: str = "auto"
+    attention_impl: str = "reference"
+    attention_block_q: int = 512
+    attention_block_kv: int = 512
     moe: tuple[tuple[str, Any], ...] | None = None
     moe_every: int = 1
     param_dtype: Dtype = jnp.float32
@@ -347,6 +389,13 @@ class GPT(nn.Module):
         _check_choice("positions", self.positions, POSITIONS)
         _check_choice("remat_policy", self.remat_policy, POLICIES)
         _check_choice("sparse_attention.impl", self.sparse_impl, SPARSE_IMPLS)
+        _check_choice("attention.impl", self.attention_impl, ATTENTION_IMPLS)
+        for key in ("block_q", "block_kv"):
+            value = getattr(self, f"attention_{key}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"model.attention.{key}: must be a positive integer, got {value!r}"
+                )
         if self.remat_policy != "none":
             checkpoint_policy(self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES)
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -397,6 +446,9 @@ class GPT(nn.Module):
             dtype=self.dtype,
             sparse=self.sparse_attention,
             sparse_impl=self.sparse_impl,
+            attention_impl=self.attention_impl,
+            block_q=self.attention_block_q,
+            block_kv=self.attention_block_kv,
             moe=self.moe,
         )
         unit_cls, kwargs = Block, block
@@ -505,6 +557,33 @@ def _sparse_options(model_cfg: Any) -> dict[str, Any]:
     return {"sparse_attention": config, "sparse_impl": impl}
 
 
+#: `model.attention` keys → `GPT` attributes.
+ATTENTION_KEYS = {
+    "impl": "attention_impl", "block_q": "attention_block_q", "block_kv": "attention_block_kv",
+}
+
+
+def _attention_options(model_cfg: Any) -> dict[str, Any]:
+    """`model.attention: {impl, block_q, block_kv}` → the `GPT` attention attributes."""
+    block = getattr(model_cfg, "attention", None)
+    if block is None:
+        return {}
+    if hasattr(block, "model_dump"):  # a validated `jaxspeed.config.AttentionConfig`
+        block = block.model_dump()
+    if not isinstance(block, dict):
+        raise ConfigError(
+            f"model.attention: expected a mapping such as {{impl: blocked, block_q: 512, "
+            f"block_kv: 512}}, got {block!r}"
+        )
+    for key in block:
+        if key not in ATTENTION_KEYS:
+            raise ConfigError(
+                f"model.attention.{key}: unknown key{did_you_mean(key, tuple(ATTENTION_KEYS))}; "
+                f"accepted keys are {list(ATTENTION_KEYS)}"
+            )
+    return {ATTENTION_KEYS[key]: value for key, value in block.items()}
+
+
 #: `model.moe` keys besides `every_n_layers`: the `jaxspeed.moe.MoE` options a config may set.
 MOE_KEYS = (
     "num_experts", "k", "d_ff", "capacity_factor", "dynamic_capacity", "eval_capacity_factor",
@@ -548,6 +627,7 @@ def build_gpt(
 
     Args:
       model_cfg: e.g. `jaxspeed.config.ModelConfig`; missing attributes take `GPT`'s defaults.
+        `attention` is `{impl, block_q, block_kv}` (see `attend`);
         `sparse_attention` is DeepSpeed's block (`mode` and that mode's keys) plus `impl`
         (`auto` | `pallas` | `xla`); `moe` holds `every_n_layers` (default 1: every layer)
         and `MOE_KEYS`.
@@ -567,7 +647,8 @@ def build_gpt(
         raise ConfigError(f"model.type: got {model_type!r}; accepted values are ['gpt']")
     kwargs = {key: getattr(model_cfg, key) for key in _GPT_FIELDS if hasattr(model_cfg, key)}
     return GPT(
-        **kwargs, **_sparse_options(model_cfg), **_moe_options(model_cfg),
+        **kwargs, **_attention_options(model_cfg), **_sparse_options(model_cfg),
+        **_moe_options(model_cfg),
         remat_policy=remat_policy, remat_names=tuple(remat_names), stream_layers=stream_layers,
     )
 

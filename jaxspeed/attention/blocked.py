@@ -1,0 +1,209 @@
+"""Exact softmax attention block by block, in O(length * block) memory, in plain JAX.
+
+FlashAttention's algorithm (Dao et al. 2022; the loop order of FlashAttention-2, Dao 2023):
+the forward pass runs over query blocks, and for each over the key/value blocks with an online
+softmax (a running row max `m`, row sum `l` and fp32 accumulator, rescaled as the max grows),
+so no `[length, length]` score matrix exists. It keeps only the output and each row's
+logsumexp. The backward pass (`jax.custom_vjp`) recomputes each block's probabilities from the
+logsumexp: an outer loop over key/value blocks accumulates that block's dk and dv, an inner
+loop over query blocks adds into dq. Under the causal mask, blocks above the diagonal are
+skipped (the inner loops' bounds depend on the outer index).
+
+Lengths that are not a multiple of the block are padded; padded keys are masked, padded query
+rows are dropped. Blocks larger than the sequence shrink to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxspeed.sharding.vma import vary_alike
+
+Array = jax.Array
+_F32 = jnp.float32
+
+
+def blocked_attention(
+    q: Array, k: Array, v: Array, *, causal: bool = False, sm_scale: float | None = None,
+    block_q: int = 512, block_kv: int = 512,
+) -> Array:
+    """Softmax attention computed block by block (FlashAttention), differentiable.
+
+    Args:
+      q: `[batch, q_len, heads, head_dim]` (the layout of `jax.nn.dot_product_attention`).
+      k, v: `[batch, kv_len, heads, head_dim]`.
+      causal: mask keys after the query (query row i sees keys 0..i).
+      sm_scale: logit scale; default `1 / sqrt(head_dim)`.
+      block_q, block_kv: rows of q and of k/v per block (shrunk to the lengths when larger).
+
+    Returns:
+      `[batch, q_len, heads, head_dim]` in `v`'s dtype; softmax and sums in float32.
+
+    Raises:
+      ValueError: mismatched shapes or a non-positive block.
+    """
+    if q.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(
+            f"expected q [batch, q_len, heads, head_dim] and k, v [batch, kv_len, heads, "
+            f"head_dim]; got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    for name, block in (("block_q", block_q), ("block_kv", block_kv)):
+        if not isinstance(block, int) or block < 1:
+            raise ValueError(f"{name} must be a positive integer, got {block!r}")
+    scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
+    spec = _Spec(
+        q_len=q.shape[1], kv_len=k.shape[1], block_q=min(block_q, q.shape[1]),
+        block_kv=min(block_kv, k.shape[1]), causal=bool(causal), scale=scale,
+    )
+    # Inside `shard_map` the loop carries (made `*_like` the inputs) and the cotangents must
+    # have the inputs' varying axes: give all three the same ones.
+    q, k, v = vary_alike(q, k, v)
+    return _attention(spec, q, k, v)
+
+
+class _Spec(NamedTuple):
+    """The static facts of one call (hashable, for `nondiff_argnums`)."""
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_kv: int
+    causal: bool
+    scale: float
+
+    @property
+    def num_q(self) -> int:
+        return -(-self.q_len // self.block_q)
+
+    @property
+    def num_kv(self) -> int:
+        return -(-self.kv_len // self.block_kv)
+
+    def kv_blocks_for(self, i: Array) -> Array:
+        """Key blocks query block `i` sees: all, or (causal) up to the one holding its last row."""
+        if not self.causal:
+            return jnp.int32(self.num_kv)
+        last_row = (i + 1) * self.block_q - 1
+        return jnp.minimum(last_row // self.block_kv + 1, self.num_kv)
+
+    def first_q_block_for(self, j: Array) -> Array:
+        """First query block that sees key block `j`: 0, or (causal) the one holding its row."""
+        return jnp.int32(0) if not self.causal else (j * self.block_kv) // self.block_q
+
+    def mask(self, i: Array, j: Array) -> Array:
+        """`[block_q, block_kv]` bool: which (row, key) pairs of blocks `(i, j)` are scored."""
+        rows = i * self.block_q + jnp.arange(self.block_q)[:, None]
+        cols = j * self.block_kv + jnp.arange(self.block_kv)[None, :]
+        keep = cols < self.kv_len
+        return keep & (cols <= rows) if self.causal else keep
+
+
+def _to_blocks(x: Array, block: int, count: int) -> Array:
+    """`[batch, len, heads, dim]` → zero-padded `[count, batch, heads, block, dim]`."""
+    b, length, h, d = x.shape
+    x = jnp.pad(x, ((0, 0), (0, count * block - length), (0, 0), (0, 0)))
+    return x.reshape(b, count, block, h, d).transpose(1, 0, 3, 2, 4)
+
+
+def _from_blocks(x: Array, length: int) -> Array:
+    """`[count, batch, heads, block, dim]` → `[batch, length, heads, dim]` (padding dropped)."""
+    count, b, h, block, d = x.shape
+    return x.transpose(1, 0, 3, 2, 4).reshape(b, count * block, h, d)[:, :length]
+
+
+def _scores(spec: _Spec, q_i: Array, k_j: Array, i: Array, j: Array) -> tuple[Array, Array]:
+    """Scaled fp32 logits `[batch, heads, block_q, block_kv]` and their mask."""
+    s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, preferred_element_type=_F32)
+    return s.astype(_F32) * spec.scale, spec.mask(i, j)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(spec: _Spec, q: Array, k: Array, v: Array) -> Array:
+    return _forward(spec, q, k, v)[0]
+
+
+def _forward(spec: _Spec, q: Array, k: Array, v: Array) -> tuple[Array, Array]:
+    """Output `[batch, q_len, heads, dim]` and row logsumexp `[num_q, batch, heads, block_q]`."""
+    qb = _to_blocks(q, spec.block_q, spec.num_q)
+    kb = _to_blocks(k, spec.block_kv, spec.num_kv)
+    vb = _to_blocks(v, spec.block_kv, spec.num_kv)
+
+    def q_block(_, xs):
+        q_i, i = xs
+
+        def kv_block(j, carry):
+            m, l, acc = carry
+            s, keep = _scores(spec, q_i, kb[j], i, j)
+            m_new = jnp.maximum(m, jnp.max(jnp.where(keep, s, -jnp.inf), axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
+            p = jnp.where(keep, jnp.exp(s - m_safe[..., None]), 0.0)
+            alpha = jnp.exp(m - m_safe)
+            l = alpha * l + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vb[j],
+                            preferred_element_type=_F32)
+            return m_new, l, alpha[..., None] * acc + pv.astype(_F32)
+
+        row = q_i[..., 0]
+        init = (jnp.full_like(row, -jnp.inf, _F32), jnp.zeros_like(row, _F32),
+                jnp.zeros_like(q_i, _F32))
+        m, l, acc = jax.lax.fori_loop(0, spec.kv_blocks_for(i), kv_block, init)
+        out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(v.dtype)
+        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
+        return None, (out, lse)
+
+    _, (out, lse) = jax.lax.scan(q_block, None, (qb, jnp.arange(spec.num_q)))
+    return _from_blocks(out, spec.q_len), lse
+
+
+def _attention_fwd(spec, q, k, v):
+    out, lse = _forward(spec, q, k, v)
+    return out, (q, k, v, out, lse)
+
+
+def _attention_bwd(spec, residuals, d_out):
+    q, k, v, out, lse = residuals
+    qb = _to_blocks(q, spec.block_q, spec.num_q)
+    dob = _to_blocks(d_out, spec.block_q, spec.num_q)
+    # D_i = rowsum(dO * O): the softmax backward's per-row term (FlashAttention-2, Alg. 2).
+    delta = jnp.sum(dob.astype(_F32) * _to_blocks(out, spec.block_q, spec.num_q).astype(_F32),
+                    axis=-1)
+    kb = _to_blocks(k, spec.block_kv, spec.num_kv)
+    vb = _to_blocks(v, spec.block_kv, spec.num_kv)
+
+    def kv_block(dq, xs):
+        k_j, v_j, j = xs
+
+        def q_block(i, carry):
+            dk, dv, dq = carry
+            q_i, do_i = qb[i], dob[i]
+            s, keep = _scores(spec, q_i, k_j, i, j)
+            p = jnp.where(keep, jnp.exp(s - lse[i][..., None]), 0.0)
+            dv = dv + jnp.einsum("bhqk,bhqd->bhkd", p.astype(do_i.dtype), do_i,
+                                 preferred_element_type=_F32).astype(_F32)
+            dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=_F32)
+            ds = p * (dp.astype(_F32) - delta[i][..., None]) * spec.scale
+            dk = dk + jnp.einsum("bhqk,bhqd->bhkd", ds, q_i.astype(_F32))
+            dq = dq.at[i].add(jnp.einsum("bhqk,bhkd->bhqd", ds, k_j.astype(_F32)))
+            return dk, dv, dq
+
+        zeros = jnp.zeros_like(k_j, _F32)
+        dk, dv, dq = jax.lax.fori_loop(
+            spec.first_q_block_for(j), spec.num_q, q_block, (zeros, zeros, dq)
+        )
+        return dq, (dk, dv)
+
+    dq0 = jnp.zeros_like(qb, _F32)
+    dq, (dk, dv) = jax.lax.scan(kv_block, dq0, (kb, vb, jnp.arange(spec.num_kv)))
+    return (
+        _from_blocks(dq, spec.q_len).astype(q.dtype),
+        _from_blocks(dk, spec.kv_len).astype(k.dtype),
+        _from_blocks(dv, spec.kv_len).astype(v.dtype),
+    )
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
