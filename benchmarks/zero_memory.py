@@ -25,7 +25,12 @@ Where each number comes from (the `source` of every JSON line):
   jaxspeed keeps fp32 params (they are the masters), fp32 grads and Adam's m, v: 4 + 4 + 8
   bytes, also 16 per parameter. The ideal here is ZeRO's formula with jaxspeed's widths (4, 4, 8).
 
-Headline: stage 3, ratio = ideal / measured model state (1.0 = every byte of state sharded 8 ways).
+Stage 3 runs twice: gathering each layer's params at each use (`max_live_parameters: 0`), and
+gathering the whole model once per step (the default for a model within
+`zero_optimization.max_live_parameters`). The model state is the same; the step peaks differ.
+
+Headline: stage 3 (gathered once), ratio = ideal / measured model state (1.0 = every byte of
+state sharded 8 ways).
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ sys.path[:0] = [str(_HERE.parent), str(_HERE)]
 import _common  # noqa: E402
 
 NAME = "zero_memory"
-STAGES = (0, 1, 2, 3)
+#: (stage, stage 3 gathering layer by layer): stage 3 twice, the headline (the whole model
+#: gathered once per step, as `zero_optimization.max_live_parameters` allows) last.
+STAGES = ((0, False), (1, False), (2, False), (3, True), (3, False))
 #: (param bytes, grad bytes, optimizer-state bytes K) per parameter.
 JAXSPEED_WIDTHS = (4, 4, 8)
 DEEPSPEED_WIDTHS = (2, 2, 12)
@@ -85,8 +92,9 @@ def shard_bytes(tree, device) -> int:
     )
 
 
-def bench_config(model: dict, *, stage: int, seq_len: int):
-    """The benchmark's config: mesh data=8, micro 1, AdamW, bf16 compute, ZeRO `stage`."""
+def bench_config(model: dict, *, stage: int, seq_len: int, layer_by_layer: bool = False):
+    """The benchmark's config: mesh data=8, micro 1, AdamW, bf16 compute, ZeRO `stage`;
+    `layer_by_layer`: stage 3 gathers each layer at each use (`max_live_parameters: 0`)."""
     from jaxspeed.config import load_config
 
     return load_config({
@@ -95,14 +103,15 @@ def bench_config(model: dict, *, stage: int, seq_len: int):
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage,
+                              **({"max_live_parameters": 0} if layer_by_layer else {})},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
         "model": {"type": "gpt", **model},
         "data": {"source": "stdlib", "seq_len": seq_len},
     })
 
 
-def measure(stage: int, model: dict, *, seq_len: int) -> dict:
+def measure(stage: int, model: dict, *, seq_len: int, layer_by_layer: bool = False) -> dict:
     """Per-device bytes of one stage: real state shards, the plan's grads, the compiled step."""
     import jax
 
@@ -110,7 +119,8 @@ def measure(stage: int, model: dict, *, seq_len: int) -> dict:
     from jaxspeed.memory import _compiled_stats
     from jaxspeed.models.gpt import count_params
 
-    engine = initialize(bench_config(model, stage=stage, seq_len=seq_len))
+    engine = initialize(bench_config(model, stage=stage, seq_len=seq_len,
+                                     layer_by_layer=layer_by_layer))
     start = time.perf_counter()
     compiled = _compiled_stats(engine.compile_train_step())  # before the state takes its memory
     compile_s = time.perf_counter() - start
@@ -118,6 +128,7 @@ def measure(stage: int, model: dict, *, seq_len: int) -> dict:
     device = jax.devices()[0]
     row = {
         "stage": stage,
+        "gather": None if stage < 3 else "layer by layer" if layer_by_layer else "once per step",
         "n_params": count_params(state.params),
         "devices": jax.device_count(),
         "params": shard_bytes(state.params, device),
@@ -143,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     model = QUICK_MODEL if args.quick else FULL_MODEL
     seq_len = model["max_seq_len"]
     start = time.perf_counter()
-    rows = [measure(s, model, seq_len=seq_len) for s in STAGES]
+    rows = [measure(s, model, seq_len=seq_len, layer_by_layer=lbl) for s, lbl in STAGES]
     wall_s = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     psi, n = rows[0]["n_params"], rows[0]["devices"]
@@ -166,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         r["deepspeed"] = ideal_bytes(s, psi, n, DEEPSPEED_WIDTHS)
         r["ratio"] = _common.ratio(r["ideal"], r["model_state"])
         table.append([
-            f"stage {s}", mib(r["params"]), mib(r["opt_state"]), mib(r["grads"]),
+            f"stage {s}" + (f" ({r['gather']})" if r["gather"] else ""), mib(r["params"]), mib(r["opt_state"]), mib(r["grads"]),
             mib(r["model_state"]), r["model_state"] / psi, mib(r["ideal"]), r["ratio"],
             mib(r["deepspeed"]), mib(c["argument"]), mib(c["output"] - c["alias"]),
             mib(c["temp"]), mib(r["step_peak"]),
@@ -183,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         "scratch, inside temp); compiled = the train step's memory_analysis(), step peak = "
         "args + out-alias + temp; formula = ZeRO's, with jaxspeed's widths (ideal) or DeepSpeed's."
     )
-    print(f"{wall_s:.1f} s for the 4 stages; process peak RSS {rss / 2**30:.2f} GiB.")
+    print("Stage 3 twice: its params gathered layer by layer at each use, and (the headline) the "
+          "whole model gathered once per step, as zero_optimization.max_live_parameters allows.")
+    print(f"{wall_s:.1f} s for {len(rows)} runs; process peak RSS {rss / 2**30:.2f} GiB.")
     for r in rows:
         _common.print_json(_result(r, psi, n, model, rss))
     return 0
@@ -192,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 def _result(r: dict, psi: int, n: int, model: dict, rss: int) -> dict:
     return _common.result(
         NAME,
-        case=f"stage={r['stage']} params={psi} devices={n} d_model={model['d_model']}",
+        case=(f"stage={r['stage']} params={psi} devices={n} d_model={model['d_model']}"
+              + (f" gather={r['gather'].replace(' ', '_')}" if r["gather"] else "")),
         jaxspeed=_common.mib(r["model_state"]),
         baseline=_common.mib(r["ideal"]),
         unit="MiB/device",
@@ -200,6 +214,7 @@ def _result(r: dict, psi: int, n: int, model: dict, rss: int) -> dict:
         n_params=psi,
         devices=n,
         bytes_per_param_per_device=round(r["model_state"] / psi, 4),
+        stage3_gather=r["gather"],
         bytes={k: r[k] for k in ("params", "opt_state", "grads", "model_state", "step_peak")},
         ideal_bytes=r["ideal"],
         deepspeed_mixed_precision_bytes=r["deepspeed"],

@@ -77,6 +77,17 @@ def test_zero_memory_stage3_shards_all_model_state():
 
 
 @pytest.mark.slow
+def test_zero_memory_stage3_gathered_once_holds_more_than_layer_by_layer():
+    """The same state; the step that gathers the whole model once peaks higher."""
+    rows = {obj["stage3_gather"]: obj for obj in run_quick("zero_memory")
+            if obj["stage3_gather"]}
+    once, per_layer = rows["once per step"], rows["layer by layer"]
+    assert once["bytes"]["model_state"] == per_layer["bytes"]["model_state"]
+    assert once["bytes"]["step_peak"] > per_layer["bytes"]["step_peak"]
+    assert run_quick("zero_memory")[-1] is once  # the headline
+
+
+@pytest.mark.slow
 def test_zero_memory_step_peak_holds_the_model_state():
     """The compiled step's peak (state, new state, scratch with the grads) ≥ the model state,
     and its arguments are the measured params and optimizer state (+ batch, step, rng)."""
