@@ -36,6 +36,7 @@ test-fast: $(STAMP)
 JAX_MIN    := 0.11.2
 VENV_MIN   ?= .venv-jax$(JAX_MIN)
 SMOKE      ?= tests/test_mesh.py tests/test_onebit.py tests/test_moe_parallel.py tests/test_pipeline.py \
+              tests/test_blocked_attention.py \
               tests/test_offload.py::test_host_update_matches_device_update
 test-jax-min: $(STAMP)
 	test -x $(VENV_MIN)/bin/python || $(PY) -m venv $(VENV_MIN)
