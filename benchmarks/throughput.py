@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = maxtext_peer.run(args.maxtext, peer, steps=steps)
                 runs["maxtext"].append(aggregate(maxtext_records(seconds, tokens_per_step),
                                                  tokens_per_step=tokens_per_step, skip=skip)[0])
-        rows.append({"name": name, "about": about, "config": config, "runs": runs,
+        rows.append({"name": name, "about": about, "config": config, "runs": runs, "peer": peer,
                      "mesh": " x ".join(f"{k} {v}" for k, v in mesh.shape.items() if v > 1),
                      "tokens_per_step": tokens_per_step, "flops_per_token": flops_per_token})
     # After training, so that OpenBLAS's idle worker threads cannot slow the timed steps.
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                           ratio=_common.ratio(best["jaxspeed"], best["maxtext"]),
                           baseline_source=f"MaxText {maxtext_peer.VERSION}, run alternately "
                                           f"with jaxspeed in this run ({args.maxtext})",
-                          maxtext_options=maxtext_peer.options(config))
+                          maxtext_options=row["peer"])
         _common.print_json(fields)
     return 0
 

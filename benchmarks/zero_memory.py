@@ -116,13 +116,13 @@ def measure(stage: int, model: dict, *, seq_len: int, layer_by_layer: bool = Fal
     import jax
 
     from jaxspeed.engine import initialize
-    from jaxspeed.memory import _compiled_stats
+    from jaxspeed.memory import compiled_stats, step_peak
     from jaxspeed.models.gpt import count_params
 
     engine = initialize(bench_config(model, stage=stage, seq_len=seq_len,
                                      layer_by_layer=layer_by_layer))
     start = time.perf_counter()
-    compiled = _compiled_stats(engine.compile_train_step())  # before the state takes its memory
+    compiled = compiled_stats(engine.compile_train_step())  # before the state takes its memory
     compile_s = time.perf_counter() - start
     state = engine.init(jax.random.key(0))
     device = jax.devices()[0]
@@ -140,8 +140,7 @@ def measure(stage: int, model: dict, *, seq_len: int, layer_by_layer: bool = Fal
     for x in jax.tree.leaves(state):  # free this stage's state before the next one is built
         x.delete()
     row["model_state"] = row["params"] + row["opt_state"] + row["grads"]
-    c = row["compiled"]
-    row["step_peak"] = c["argument"] + c["output"] - c["alias"] + c["temp"]
+    row["step_peak"] = step_peak(row["compiled"])
     return row
 
 

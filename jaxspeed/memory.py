@@ -48,13 +48,19 @@ def host_bytes(tree) -> int:
     return sharded_bytes([x for x in jax.tree.leaves(tree) if on_host(x.sharding)])
 
 
-def _compiled_stats(compiled) -> dict[str, int]:
+def compiled_stats(compiled) -> dict[str, int]:
+    """A compiled step's `memory_analysis()` as ints: argument, output, alias, temp (and host_*)."""
     analysis = compiled.memory_analysis()
     names = ("argument", "output", "alias", "temp", "generated_code")
     stats = {name: int(getattr(analysis, f"{name}_size_in_bytes")) for name in names}
     for name in ("argument", "output", "alias", "temp"):
         stats[f"host_{name}"] = int(getattr(analysis, f"host_{name}_size_in_bytes"))
     return stats
+
+
+def step_peak(stats: dict[str, int]) -> int:
+    """Arguments + outputs − aliased + temp of `compiled_stats`: the step's whole footprint."""
+    return stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
 
 
 def _offload_terms(engine, state, *, temp: int, grads: int) -> dict[str, int]:
@@ -130,8 +136,8 @@ def memory_report(engine) -> dict[str, Any]:
         "grads": engine.plan.bytes_per_device("grad"),
         "opt_state": sharded_bytes(state.opt_state),
     }
-    compiled = _compiled_stats(engine.compile_train_step())
-    total = compiled["argument"] + compiled["output"] - compiled["alias"] + compiled["temp"]
+    compiled = compiled_stats(engine.compile_train_step())
+    total = step_peak(compiled)
     on_host_state = host_bytes(state)
     notes, device_model = [], []
     sources = {name: ARRAYS for name in estimate} | {"temp": COMPILED, "total": COMPILED}
