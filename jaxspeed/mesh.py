@@ -12,12 +12,16 @@ from jaxspeed.errors import ConfigError
 
 PIPE = "pipe"
 DATA = "data"
+SEQUENCE = "sequence"
 EXPERT = "expert"
 TENSOR = "tensor"
 #: Mesh axes, outermost first. `tensor` is innermost so tensor-parallel peers are neighbours.
-AXES: tuple[str, ...] = (PIPE, DATA, EXPERT, TENSOR)
-#: Axes the batch is split over; ZeRO shards state over these.
+AXES: tuple[str, ...] = (PIPE, DATA, SEQUENCE, EXPERT, TENSOR)
+#: Axes the batch's rows are split over.
 DATA_PARALLEL_AXES: tuple[str, ...] = (DATA, EXPERT)
+#: Axes ZeRO shards state over: every axis whose devices see different tokens of the same
+#: parameters, so the sequence axis too (as MaxText's `context` axis).
+ZERO_AXES: tuple[str, ...] = (DATA, SEQUENCE, EXPERT)
 
 
 def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -57,7 +61,7 @@ def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, 
 
 
 def make_mesh(mesh_config=None, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the `("pipe", "data", "expert", "tensor")` mesh with Auto axes.
+    """Builds the `("pipe", "data", "sequence", "expert", "tensor")` mesh with Auto axes.
 
     Axes are Auto so that the planner chooses shardings and XLA propagates and inserts the
     collectives (see DESIGN.md, "JAX facts").

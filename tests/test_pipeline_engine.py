@@ -35,7 +35,7 @@ def dataset():
 
 def single_device_mesh():
     return jax.make_mesh(
-        (1, 1, 1, 1), AXES, devices=jax.devices()[:1],
+        (1,) * len(AXES), AXES, devices=jax.devices()[:1],
         axis_types=(jax.sharding.AxisType.Auto,) * 4,
     )
 

@@ -56,14 +56,73 @@ def blocked_attention(
         if not isinstance(block, int) or block < 1:
             raise ValueError(f"{name} must be a positive integer, got {block!r}")
     scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
-    spec = _Spec(
-        q_len=q.shape[1], kv_len=k.shape[1], block_q=min(block_q, q.shape[1]),
-        block_kv=min(block_kv, k.shape[1]), causal=bool(causal), scale=scale,
-    )
+    spec = _spec(q, k, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
     # Inside `shard_map` the loop carries (made `*_like` the inputs) and the cotangents must
     # have the inputs' varying axes: give all three the same ones.
     q, k, v = vary_alike(q, k, v)
     return _attention(spec, q, k, v)
+
+
+def flash_forward(
+    q: Array, k: Array, v: Array, *, causal: bool, scale: float, block_q: int, block_kv: int
+) -> tuple[Array, Array]:
+    """One block pair's part of an attention split over key shards (ring attention).
+
+    Same arguments as `blocked_attention`, on arrays whose varying axes already agree.
+
+    Returns:
+      The output normalised over these keys only, `[batch, q_len, heads, head_dim]` float32,
+      and each row's logsumexp `[batch, q_len, heads]` float32 (`-inf`: no key seen), from
+      which parts over other keys merge exactly (`merge_parts`).
+    """
+    spec = _spec(q, k, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
+    out, lse = _forward(spec, q, k, v, out_dtype=_F32)
+    rows = _lse_rows(lse, spec.q_len)
+    return out, jnp.where(jnp.isfinite(rows), rows, -jnp.inf)
+
+
+def flash_backward(
+    q: Array, k: Array, v: Array, out: Array, lse: Array, d_out: Array, *, causal: bool,
+    scale: float, block_q: int, block_kv: int,
+) -> tuple[Array, Array, Array]:
+    """float32 `dq, dk, dv` of one block pair, given the whole attention's `out` and row
+    logsumexp `lse [batch, q_len, heads]` (over all keys; finite) and `d_out`."""
+    spec = _spec(q, k, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
+    return _backward(spec, q, k, v, out, _lse_blocks(lse, spec), d_out)
+
+
+def merge_parts(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:
+    """Two parts of one softmax attention over disjoint key sets → the part over both.
+
+    `out_*` are float32 `[batch, q_len, heads, head_dim]`, `lse_*` `[batch, q_len, heads]`
+    with `-inf` for rows that saw no key.
+    """
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weight_a = jnp.exp(lse_a - safe)[..., None]
+    weight_b = jnp.exp(lse_b - safe)[..., None]
+    return weight_a * out_a + weight_b * out_b, lse
+
+
+def _spec(q, k, *, causal, scale, block_q, block_kv) -> _Spec:
+    return _Spec(
+        q_len=q.shape[1], kv_len=k.shape[1], block_q=min(block_q, q.shape[1]),
+        block_kv=min(block_kv, k.shape[1]), causal=bool(causal), scale=float(scale),
+    )
+
+
+def _lse_rows(lse: Array, q_len: int) -> Array:
+    """Blocked logsumexp `[num_q, batch, heads, block_q]` → `[batch, q_len, heads]`."""
+    num_q, b, h, block = lse.shape
+    return lse.transpose(1, 0, 3, 2).reshape(b, num_q * block, h)[:, :q_len]
+
+
+def _lse_blocks(rows: Array, spec: _Spec) -> Array:
+    """`[batch, q_len, heads]` → blocked `[num_q, batch, heads, block_q]` (padding: +inf)."""
+    b, length, h = rows.shape
+    pad = spec.num_q * spec.block_q - length
+    rows = jnp.pad(rows, ((0, 0), (0, pad), (0, 0)), constant_values=jnp.inf)
+    return rows.reshape(b, spec.num_q, spec.block_q, h).transpose(1, 0, 3, 2)
 
 
 class _Spec(NamedTuple):
@@ -127,8 +186,9 @@ def _attention(spec: _Spec, q: Array, k: Array, v: Array) -> Array:
     return _forward(spec, q, k, v)[0]
 
 
-def _forward(spec: _Spec, q: Array, k: Array, v: Array) -> tuple[Array, Array]:
-    """Output `[batch, q_len, heads, dim]` and row logsumexp `[num_q, batch, heads, block_q]`."""
+def _forward(spec: _Spec, q: Array, k: Array, v: Array, out_dtype=None) -> tuple[Array, Array]:
+    """Output `[batch, q_len, heads, dim]` (in `out_dtype`, default `v`'s) and row logsumexp
+    `[num_q, batch, heads, block_q]` (+inf for a row that saw no key)."""
     qb = _to_blocks(q, spec.block_q, spec.num_q)
     kb = _to_blocks(k, spec.block_kv, spec.num_kv)
     vb = _to_blocks(v, spec.block_kv, spec.num_kv)
@@ -152,7 +212,7 @@ def _forward(spec: _Spec, q: Array, k: Array, v: Array) -> tuple[Array, Array]:
         init = (jnp.full_like(row, -jnp.inf, _F32), jnp.zeros_like(row, _F32),
                 jnp.zeros_like(q_i, _F32))
         m, l, acc = jax.lax.fori_loop(0, spec.kv_blocks_for(i), kv_block, init)
-        out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(v.dtype)
+        out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(out_dtype or v.dtype)
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
         return None, (out, lse)
 
@@ -167,6 +227,12 @@ def _attention_fwd(spec, q, k, v):
 
 def _attention_bwd(spec, residuals, d_out):
     q, k, v, out, lse = residuals
+    dq, dk, dv = _backward(spec, q, k, v, out, lse, d_out)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _backward(spec: _Spec, q, k, v, out, lse, d_out) -> tuple[Array, Array, Array]:
+    """float32 `dq, dk, dv` from the output, its row logsumexp (blocked) and `d_out`."""
     qb = _to_blocks(q, spec.block_q, spec.num_q)
     dob = _to_blocks(d_out, spec.block_q, spec.num_q)
     # D_i = rowsum(dO * O): the softmax backward's per-row term (FlashAttention-2, Alg. 2).
@@ -199,11 +265,7 @@ def _attention_bwd(spec, residuals, d_out):
 
     dq0 = jnp.zeros_like(qb, _F32)
     dq, (dk, dv) = jax.lax.scan(kv_block, dq0, (kb, vb, jnp.arange(spec.num_kv)))
-    return (
-        _from_blocks(dq, spec.q_len).astype(q.dtype),
-        _from_blocks(dk, spec.kv_len).astype(k.dtype),
-        _from_blocks(dv, spec.kv_len).astype(v.dtype),
-    )
+    return _from_blocks(dq, spec.q_len), _from_blocks(dk, spec.kv_len), _from_blocks(dv, spec.kv_len)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -75,6 +75,9 @@ class MeshConfig(_Section):
 
     pipe: _MeshSize = 1
     data: _MeshSize = -1
+    #: splits activations along the sequence (`model.sequence_parallel` says how attention
+    #: crosses it); ZeRO shards state over it too
+    sequence: _MeshSize = 1
     expert: _MeshSize = 1
     tensor: _MeshSize = 1
 

@@ -11,9 +11,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.mesh import DATA_PARALLEL_AXES
+from jaxspeed.mesh import DATA_PARALLEL_AXES, SEQUENCE
 from jaxspeed.offload import DEVICE, HOST
-from jaxspeed.sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
+from jaxspeed.sharding.rules import ACTIVATION_ONLY_AXES, DEFAULT_RULES, Rules, logical_to_spec
 from jaxspeed.sharding.zero import zero_spec
 from jaxspeed.tree_paths import key_names
 
@@ -102,12 +102,16 @@ class Plan:
         return NamedSharding(self.mesh, P())
 
     def batch_sharding(self, ndim: int = 2) -> NamedSharding:
-        """Sharding of a batch array: leading dim over the data-parallel axes."""
-        spec, _ = logical_to_spec(
-            ("batch",) + (None,) * (ndim - 1), (self.data_parallel_size,) + (1,) * (ndim - 1),
-            self.mesh.shape, self.rules,
-        )
+        """Sharding of a batch array: rows over the data-parallel axes and, for `[batch,
+        length, ...]` arrays, positions over the sequence axis (each device gets its slice)."""
+        logical = ("batch", "length", *(None,) * (ndim - 2))[:ndim]
+        shape = (self.data_parallel_size, self.sequence_size) + (1,) * (ndim - 2)
+        spec, _ = logical_to_spec(logical, shape[:ndim], self.mesh.shape, self.rules)
         return NamedSharding(self.mesh, spec)
+
+    @property
+    def sequence_size(self) -> int:
+        return self.mesh.shape.get(SEQUENCE, 1)
 
     @property
     def data_parallel_size(self) -> int:
@@ -219,7 +223,8 @@ def _as_names(logical) -> Logical:
 
 def _plan_leaf(path, leaf, logical: Logical, mesh: Mesh, stage: int, rules: Rules) -> LeafPlan:
     shape = tuple(leaf.shape)
-    base, notes = logical_to_spec(logical, shape, mesh.shape, rules)
+    param_axes = {**mesh.shape, **{axis: 1 for axis in ACTIVATION_ONLY_AXES}}
+    base, notes = logical_to_spec(logical, shape, param_axes, rules)
     sharded, note = zero_spec(base, shape, mesh.shape, logical=logical)
     if note and stage > 0:
         notes.append(note)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.mesh import DATA, EXPERT, PIPE, TENSOR
+from jaxspeed.mesh import DATA, EXPERT, PIPE, SEQUENCE, TENSOR
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Sequence[tuple[str, MeshAxes]]
@@ -30,8 +30,11 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("stage", PIPE),
     ("embed", None),
     ("kv", None),
-    ("length", None),
+    ("length", SEQUENCE),
 )
+#: Mesh axes parameters are never split over by the logical rules (ZeRO may still use them):
+#: a parameter with a `length` dimension (learned positions) is not an activation.
+ACTIVATION_ONLY_AXES: tuple[str, ...] = (SEQUENCE,)
 
 
 class DimChoice(NamedTuple):

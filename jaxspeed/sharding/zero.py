@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.mesh import DATA_PARALLEL_AXES
+from jaxspeed.mesh import ZERO_AXES
 from jaxspeed.sharding.rules import as_tuple, spec_entry
 
 #: Logical dimensions never chosen for ZeRO: scanned layers are sliced one at a time, so
@@ -26,7 +26,7 @@ def zero_spec(
     mesh_shape: Mapping[str, int],
     *,
     logical: Sequence[str | None] | None = None,
-    dp_axes: Sequence[str] = DATA_PARALLEL_AXES,
+    dp_axes: Sequence[str] = ZERO_AXES,
 ) -> tuple[P, str]:
     """Adds the free data-parallel axes to one dimension of `spec`, chosen by divisibility.
 
@@ -38,7 +38,7 @@ def zero_spec(
       shape: the array's shape.
       mesh_shape: mesh axis name → size.
       logical: the logical names, to skip `layers`/`stage` dimensions.
-      dp_axes: the data-parallel axes.
+      dp_axes: the axes ZeRO shards over (data-parallel and sequence).
 
     Returns:
       The new spec and a note ('' when all free data-parallel axes were placed).
