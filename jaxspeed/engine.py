@@ -18,12 +18,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspeed import precision
 from jaxspeed.adapters import ModelFns, model_fns
+from jaxspeed.attention.sequence_parallel import check_length
 from jaxspeed.checkpoint import Checkpointer
 from jaxspeed.config import Config, load_config, resolve_batch
 from jaxspeed.data import make_global_batch
 from jaxspeed.errors import ConfigError
 from jaxspeed.losses import lm_loss
-from jaxspeed.mesh import DATA_PARALLEL_AXES, PIPE, data_parallel_size, make_mesh
+from jaxspeed.mesh import DATA_PARALLEL_AXES, PIPE, SEQUENCE, TENSOR, data_parallel_size, make_mesh
 from jaxspeed.optim import build_optimizer
 from jaxspeed.sharding import Plan, plan_sharding
 from jaxspeed.sharding.planner import LeafPlan
@@ -345,6 +346,41 @@ def _check_supported(config: Config) -> None:
                 )
 
 
+def _check_sequence(config: Config, mesh: Mesh, *, reference_model: bool) -> None:
+    """What a sequence split (`mesh.sequence > 1`) needs: one line naming the key otherwise."""
+    shards = mesh.shape.get(SEQUENCE, 1)
+    if shards == 1:
+        return
+    for name, used in (
+        (f"mesh.pipe={mesh.shape.get(PIPE, 1)}", mesh.shape.get(PIPE, 1) > 1),
+        ("model.moe", config.model.moe is not None),
+        ("optimizer.type=OneBitAdam", config.optimizer.type == "OneBitAdam"),
+    ):
+        if used:
+            raise ConfigError(
+                f"{name} with sequence parallelism (mesh.sequence={shards}) is not available "
+                f"in this version of jaxspeed; use mesh.sequence=1"
+            )
+    rows = np.moveaxis(mesh.devices, mesh.axis_names.index(SEQUENCE), -1).reshape(-1, shards)
+    if any(len({d.process_index for d in row}) > 1 for row in rows):
+        raise ConfigError(
+            f"mesh.sequence={shards} spans processes; each process loads whole sequences, so "
+            f"keep the sequence axis inside one process (fewer sequence devices, more data)"
+        )
+    if not reference_model:
+        return
+    sp = config.model.sequence_parallel
+    check_length(config.data.seq_len, shards, sp.load_balance)
+    heads, tensor = config.model.n_heads, mesh.shape.get(TENSOR, 1)
+    local = heads // tensor if heads % tensor == 0 else heads
+    if sp.impl == "ulysses" and local % shards:
+        raise ConfigError(
+            f"model.sequence_parallel.impl=ulysses splits the {local} heads per tensor shard "
+            f"(model.n_heads={heads}, mesh.tensor={tensor}) over mesh.sequence={shards}, which "
+            f"does not divide them; use model.sequence_parallel.impl: ring (any head count)"
+        )
+
+
 def _streams_layers(config: Config) -> bool:
     """Whether the reference GPT streams its layers' params from the host (`offload_param`).
 
@@ -411,6 +447,7 @@ def initialize(
             f"the mesh has {PIPE}={mesh.shape.get(PIPE, 1)} but the config has "
             f"mesh.pipe={config.mesh.pipe}; make them agree"
         )
+    _check_sequence(config, mesh, reference_model=model is None)
     batch = resolve_batch(config, data_parallel_size(mesh))
     zero = config.zero_optimization
     if model is None:

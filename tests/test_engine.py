@@ -69,8 +69,8 @@ def engine_runs(dataset):
     return runs
 
 
-def reference_from(engine, dataset):
-    """Single-device plain-optax run from the engine's own initial params."""
+def reference_from(engine, dataset, n=STEPS):
+    """Single-device plain-optax run of `n` steps from the engine's own initial params."""
     state0 = engine.init(jax.random.key(0))
     params = jax.device_put(jax.device_get(state0.params), jax.devices()[0])
     model = build_gpt(engine.config.model)
@@ -88,7 +88,7 @@ def reference_from(engine, dataset):
         return optax.apply_updates(params, updates), opt_state, loss
 
     losses = []
-    for batch in batches(dataset):
+    for batch in batches(dataset, n):
         params, opt_state, loss = step(params, opt_state, batch)
         losses.append(float(loss))
     return np.array(losses), jax.device_get(params)

@@ -233,6 +233,21 @@ class AttentionConfig(_Section):
     block_kv: _PositiveInt = 512
 
 
+class SequenceParallelConfig(_Section):
+    """How attention crosses `mesh.sequence` (`jaxspeed.attention.sequence_parallel`).
+
+    `ulysses` (DeepSpeed-Ulysses): two all-to-alls turn sequence shards into head shards
+    around any attention (`model.attention`, block-sparse too); needs the heads (per tensor
+    shard) divisible by `mesh.sequence`. `ring`: k/v shards circulate over the devices, any
+    head count, dense attention only. `load_balance` gives device i the chunks i and 2S-1-i of
+    2S, so the causal mask costs every device the same; it needs `data.seq_len` divisible by
+    2 x `mesh.sequence`.
+    """
+
+    impl: Literal["ulysses", "ring"] = "ulysses"
+    load_balance: _Bool = True
+
+
 class ModelConfig(_Section):
     """The reference GPT; `moe` and `sparse_attention` are passed to those modules as given."""
 
@@ -248,6 +263,7 @@ class ModelConfig(_Section):
     positions: Literal["rotary", "learned"] = "rotary"
     tie_embeddings: _Bool = True
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     moe: dict[str, Any] | None = None
     sparse_attention: dict[str, Any] | None = None
 

@@ -12,6 +12,7 @@ when the engine hands it bf16/fp16 copies of fp32 master parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -22,11 +23,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType
 
 from jaxspeed import offload
 from jaxspeed.attention.block_sparse import IMPLS as SPARSE_IMPLS
 from jaxspeed.attention.block_sparse import block_sparse_attention
 from jaxspeed.attention.blocked import blocked_attention
+from jaxspeed.attention.sequence_parallel import IMPLS as SEQUENCE_IMPLS
+from jaxspeed.attention.sequence_parallel import (
+    from_layout,
+    layout_positions,
+    sequence_parallel_attention,
+    to_layout,
+)
 from jaxspeed.attention.sparsity import SparsityConfig, sparsity_config_from_dict
 from jaxspeed.errors import ConfigError, did_you_mean
 from jaxspeed.losses import AUX_LOSS
@@ -100,11 +109,12 @@ class Norm(nn.Module):
         return y.astype(x.dtype)
 
 
-def rotary_embedding(x: Array) -> Array:
+def rotary_embedding(x: Array, positions: Array | None = None) -> Array:
     """Rotary position embedding (RoFormer, Su et al. 2021), rotate-half form.
 
     Args:
-      x: `[batch, length, heads, head_dim]`, head_dim even; position i is row i.
+      x: `[batch, length, heads, head_dim]`, head_dim even.
+      positions: int `[length]`, each row's position; default row i is position i.
 
     Returns:
       `x` rotated by position-dependent angles, same shape and dtype (sin/cos in float32).
@@ -112,7 +122,9 @@ def rotary_embedding(x: Array) -> Array:
     length, head_dim = x.shape[1], x.shape[-1]
     half = head_dim // 2
     inv_freq = _ROTARY_BASE ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [length, half]
+    if positions is None:
+        positions = jnp.arange(length)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [length, half]
     sin = jnp.sin(angles)[None, :, None, :]
     cos = jnp.cos(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -162,6 +174,62 @@ def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: i
     return causal_attention(q, k, v)
 
 
+@dataclasses.dataclass(frozen=True)
+class SequenceSplit:
+    """How the current mesh and logical rules split the activations' `length` axis.
+
+    Attributes:
+      axis: the mesh axis `length` maps to.
+      shards: its size (> 1).
+      head_axes: the mesh axes `heads` maps to (tensor parallelism).
+      balanced: the sequence is in the load-balanced layout inside the layers.
+    """
+
+    axis: str
+    shards: int
+    head_axes: tuple[str, ...]
+    balanced: bool
+
+    def positions(self, length: int) -> Array:
+        """Each row's position in the original sequence."""
+        return layout_positions(length, self.shards, self.balanced)
+
+
+def sequence_split(load_balance: bool) -> SequenceSplit | None:
+    """The split of `length` under the current rules and mesh, or None when there is none.
+
+    The logical rules (`nn.logical_axis_rules`) name the mesh axis; the mesh (`jax.set_mesh`)
+    gives its size. Axes already manual (an enclosing `shard_map`) do not count.
+    """
+    spec = nn.logical_to_mesh_axes(("length", "heads"))
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or spec[0] is None:
+        return None
+    axes = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+    auto = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
+    axes = tuple(a for a in axes if a in auto and mesh.shape[a] > 1)
+    if not axes:
+        return None
+    if len(axes) > 1:
+        raise ConfigError(f"the sequence may be split over one mesh axis, got {axes}")
+    heads = spec[1] if spec[1] is not None else ()
+    heads = (heads,) if isinstance(heads, str) else tuple(heads)
+    heads = tuple(a for a in heads if a in auto and mesh.shape[a] > 1)
+    return SequenceSplit(axes[0], mesh.shape[axes[0]], heads, bool(load_balance))
+
+
+def _shared_layout(layout: np.ndarray) -> np.ndarray:
+    """A block-sparse layout every head shares (`[1, nb, nb]`): Ulysses' devices each hold
+    other heads, with one compiled program."""
+    if layout.shape[0] > 1 and not (layout == layout[:1]).all():
+        raise ConfigError(
+            "model.sparse_attention with different_layout_per_head cannot run under "
+            "sequence_parallel (each device holds other heads); set "
+            "different_layout_per_head: false or mesh.sequence: 1"
+        )
+    return layout[:1]
+
+
 @functools.lru_cache(maxsize=32)
 def sparse_layout(config: SparsityConfig, seq_len: int) -> np.ndarray:
     """The block layout `[heads, nb, nb]` of `config` at `seq_len`, built once per pair."""
@@ -175,7 +243,9 @@ class Attention(nn.Module):
 
     Dense attention is computed by `attend` with `attention_impl` and its blocks. With
     `sparse` set, the attention is restricted to that config's block layout (plus the causal
-    mask), through `jaxspeed.attention.block_sparse_attention` with `sparse_impl`.
+    mask), through `jaxspeed.attention.block_sparse_attention` with `sparse_impl`. When the
+    mesh splits `length` (`sequence_split`), `sequence_parallel` (`ulysses` or `ring`) crosses
+    the split; ring always uses the blocked kernel and supports dense attention only.
     """
 
     n_heads: int
@@ -188,6 +258,8 @@ class Attention(nn.Module):
     attention_impl: str = "reference"
     block_q: int = 512
     block_kv: int = 512
+    sequence_parallel: str = "ulysses"
+    load_balance: bool = True
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -205,21 +277,42 @@ class Attention(nn.Module):
             return checkpoint_name(y, "qkv")
 
         q, k, v = project("query"), project("key"), project("value")
+        split = sequence_split(self.load_balance)
         if self.rotary:
-            q, k = rotary_embedding(q), rotary_embedding(k)
-        if self.sparse is None:
-            y = attend(
-                q, k, v, impl=self.attention_impl, block_q=self.block_q, block_kv=self.block_kv
-            )
-        else:
-            layout = sparse_layout(self.sparse, q.shape[1])
-            y = block_sparse_attention(q, k, v, layout, causal=True, impl=self.sparse_impl)
+            positions = None if split is None else split.positions(q.shape[1])
+            q, k = rotary_embedding(q, positions), rotary_embedding(k, positions)
+        y = self._attend(q, k, v, split)
         y = nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
         y = checkpoint_name(y, "attn_context")
         out = _logical_param(
             self, "out", ("heads", "kv", "embed"), (self.n_heads, head_dim, embed), std=self.out_std
         )
         return checkpoint_name(jnp.einsum("blhd,hde->ble", y, _cast(out, self.dtype)), "attn_out")
+
+    def _attend(self, q: Array, k: Array, v: Array, split: SequenceSplit | None) -> Array:
+        layout = None if self.sparse is None else sparse_layout(self.sparse, q.shape[1])
+        if split is not None:
+            if self.sparse is not None and self.sequence_parallel == "ring":
+                raise ConfigError(
+                    "model.sparse_attention runs under sequence_parallel.impl: ulysses only "
+                    "(ring attention is dense); set model.sequence_parallel.impl: ulysses"
+                )
+            layout = None if layout is None else _shared_layout(layout)
+        if layout is None:
+            dense = functools.partial(
+                attend, impl=self.attention_impl, block_q=self.block_q, block_kv=self.block_kv
+            )
+        else:
+            dense = functools.partial(
+                block_sparse_attention, layout=layout, causal=True, impl=self.sparse_impl
+            )
+        if split is None:
+            return dense(q, k, v)
+        return sequence_parallel_attention(
+            q, k, v, impl=self.sequence_parallel, axis=split.axis, head_axes=split.head_axes,
+            causal=True, load_balance=split.balanced, attend=dense,
+            block_q=self.block_q, block_kv=self.block_kv,
+        )
 
 
 @jax.custom_vjp
@@ -300,6 +393,8 @@ class Block(nn.Module):
     attention_impl: str = "reference"
     block_q: int = 512
     block_kv: int = 512
+    sequence_parallel: str = "ulysses"
+    load_balance: bool = True
     moe: tuple[tuple[str, Any], ...] | None = None
 
     @nn.compact
@@ -310,7 +405,7 @@ class Block(nn.Module):
         h = Attention(
             self.n_heads, self.rotary, self.out_std, self.param_dtype, self.dtype,
             self.sparse, self.sparse_impl, self.attention_impl, self.block_q, self.block_kv,
-            name="attn",
+            self.sequence_parallel, self.load_balance, name="attn",
         )(h)
         x = x + h.astype(x.dtype)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
@@ -377,6 +472,8 @@ class GPT(nn.Module):
     attention_impl: str = "reference"
     attention_block_q: int = 512
     attention_block_kv: int = 512
+    sequence_parallel: str = "ulysses"
+    sequence_load_balance: bool = True
     moe: tuple[tuple[str, Any], ...] | None = None
     moe_every: int = 1
     param_dtype: Dtype = jnp.float32
@@ -390,6 +487,7 @@ class GPT(nn.Module):
         _check_choice("remat_policy", self.remat_policy, POLICIES)
         _check_choice("sparse_attention.impl", self.sparse_impl, SPARSE_IMPLS)
         _check_choice("attention.impl", self.attention_impl, ATTENTION_IMPLS)
+        _check_choice("sequence_parallel.impl", self.sequence_parallel, SEQUENCE_IMPLS)
         for key in ("block_q", "block_kv"):
             value = getattr(self, f"attention_{key}")
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -449,6 +547,8 @@ class GPT(nn.Module):
             attention_impl=self.attention_impl,
             block_q=self.attention_block_q,
             block_kv=self.attention_block_kv,
+            sequence_parallel=self.sequence_parallel,
+            load_balance=self.sequence_load_balance,
             moe=self.moe,
         )
         unit_cls, kwargs = Block, block
@@ -492,7 +592,10 @@ class GPT(nn.Module):
             )
 
     def embed(self, tokens: Array) -> Array:
-        """int tokens `[batch, length]` → residual stream `[batch, length, embed]`."""
+        """int tokens `[batch, length]` → residual stream `[batch, length, embed]`.
+
+        Under a sequence split with load balance, `tokens` are in the balanced layout.
+        """
         if tokens.ndim != 2:
             raise ValueError(f"GPT expects tokens of shape [batch, length], got {tokens.shape}")
         length = tokens.shape[1]
@@ -502,7 +605,12 @@ class GPT(nn.Module):
             )
         x = _cast(jnp.take(self.embedding, tokens, axis=0), self.dtype)
         if self.positions == "learned":
-            x = x + _cast(self.pos_embedding[:length], x.dtype)[None]
+            split = sequence_split(self.sequence_load_balance)
+            if split is None:
+                pos = self.pos_embedding[:length]
+            else:
+                pos = jnp.take(self.pos_embedding, split.positions(length), axis=0)
+            x = x + _cast(pos, x.dtype)[None]
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
     def logits(self, x: Array) -> Array:
@@ -530,8 +638,14 @@ class GPT(nn.Module):
         Returns:
           float32 logits `[batch, length, vocab]`.
         """
-        x, _ = self.layers(self.embed(tokens), deterministic)
-        return self.logits(x)
+        split = sequence_split(self.sequence_load_balance)
+        if split is None or not split.balanced:
+            x, _ = self.layers(self.embed(tokens), deterministic)
+            return self.logits(x)
+        # Load-balanced sequence split: the layers run on the balanced layout, whose causal
+        # attention costs every device the same; the logits come out in the original order.
+        x, _ = self.layers(self.embed(to_layout(tokens, split.axis)), deterministic)
+        return self.logits(from_layout(x, split.axis))
 
 
 _GPT_FIELDS = (
@@ -582,6 +696,32 @@ def _attention_options(model_cfg: Any) -> dict[str, Any]:
                 f"accepted keys are {list(ATTENTION_KEYS)}"
             )
     return {ATTENTION_KEYS[key]: value for key, value in block.items()}
+
+
+#: `model.sequence_parallel` keys → `GPT` attributes.
+SEQUENCE_PARALLEL_KEYS = {"impl": "sequence_parallel", "load_balance": "sequence_load_balance"}
+
+
+def _sequence_parallel_options(model_cfg: Any) -> dict[str, Any]:
+    """`model.sequence_parallel: {impl, load_balance}` → the `GPT` sequence attributes."""
+    block = getattr(model_cfg, "sequence_parallel", None)
+    if block is None:
+        return {}
+    if hasattr(block, "model_dump"):  # a validated `jaxspeed.config.SequenceParallelConfig`
+        block = block.model_dump()
+    if not isinstance(block, dict):
+        raise ConfigError(
+            f"model.sequence_parallel: expected a mapping such as {{impl: ring, load_balance: "
+            f"true}}, got {block!r}"
+        )
+    for key in block:
+        if key not in SEQUENCE_PARALLEL_KEYS:
+            raise ConfigError(
+                f"model.sequence_parallel.{key}: unknown key"
+                f"{did_you_mean(key, tuple(SEQUENCE_PARALLEL_KEYS))}; accepted keys are "
+                f"{list(SEQUENCE_PARALLEL_KEYS)}"
+            )
+    return {SEQUENCE_PARALLEL_KEYS[key]: value for key, value in block.items()}
 
 
 #: `model.moe` keys besides `every_n_layers`: the `jaxspeed.moe.MoE` options a config may set.
@@ -648,7 +788,7 @@ def build_gpt(
     kwargs = {key: getattr(model_cfg, key) for key in _GPT_FIELDS if hasattr(model_cfg, key)}
     return GPT(
         **kwargs, **_attention_options(model_cfg), **_sparse_options(model_cfg),
-        **_moe_options(model_cfg),
+        **_sequence_parallel_options(model_cfg), **_moe_options(model_cfg),
         remat_policy=remat_policy, remat_names=tuple(remat_names), stream_layers=stream_layers,
     )
 
