@@ -11,6 +11,11 @@ Forward + backward (`jax.vjp` of the attention, all three input gradients) of
     wall time. Target: blocked time <= 1.25 x reference time (ratio >= 0.8).
   - The dq, dk, dv of the two paths are compared.
 Headline: seq 8192; `ratio` = reference temp bytes / blocked temp bytes (times less memory).
+
+`--gpu` (benchmarks/gpu_suite.sh) runs on the machine's first GPU instead: seq 32768, bf16, and
+a third path, `fused` (`jax.nn.dot_product_attention`, `implementation=None`: cuDNN's fused
+kernel where it applies), timed beside the other two. With `--gpu --cpu-check` the same three
+run on one CPU device at a small size (`fused` is then XLA's own), to check the script.
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ sys.path[:0] = [str(_HERE.parent), str(_HERE)]
 import _common  # noqa: E402
 
 NAME = "blocked_attention"
-FULL = {"seq": 8192, "batch": 1, "heads": 4, "head_dim": 64, "block": 512, "repeats": 3}
-QUICK = {"seq": 256, "batch": 1, "heads": 2, "head_dim": 32, "block": 64, "repeats": 1}
+FULL = {"seq": 8192, "batch": 1, "heads": 4, "head_dim": 64, "block": 512, "repeats": 3,
+        "dtype": "float32", "paths": ("blocked", "reference")}
+QUICK = {**FULL, "seq": 256, "heads": 2, "head_dim": 32, "block": 64, "repeats": 1}
+GPU = {**FULL, "seq": 32768, "dtype": "bfloat16", "repeats": 5,
+       "paths": ("fused", "blocked", "reference")}
 MEMORY_TARGET, TIME_TARGET = 8.0, 1.25
 
 
@@ -47,7 +55,13 @@ def steps(case: dict):
     def reference(q, k, v, do):
         return jax.vjp(causal_attention, q, k, v)[1](do)
 
-    return {"blocked": jax.jit(blocked), "reference": jax.jit(reference)}
+    def fused(q, k, v, do):
+        attend = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=True, implementation=None)
+        return jax.vjp(attend, q, k, v)[1](do)
+
+    paths = {"fused": fused, "blocked": blocked, "reference": reference}
+    return {name: jax.jit(paths[name]) for name in case["paths"]}
 
 
 def run(case: dict, repeats: int) -> dict:
@@ -56,7 +70,7 @@ def run(case: dict, repeats: int) -> dict:
     import jax.numpy as jnp
 
     shape = (case["batch"], case["seq"], case["heads"], case["head_dim"])
-    args = [jax.random.normal(key, shape, jnp.float32)
+    args = [jax.random.normal(key, shape, jnp.float32).astype(case["dtype"])
             for key in jax.random.split(jax.random.key(0), 4)]
     compiled, compile_s, first, memory = {}, {}, {}, {}
     for name, fn in steps(case).items():
@@ -70,8 +84,10 @@ def run(case: dict, repeats: int) -> dict:
                       - m.alias_size_in_bytes),
         }
         first[name] = jax.block_until_ready(compiled[name](*args))
-    error = max(float(jnp.abs(a - b).max() / jnp.abs(b).max())
-                for a, b in zip(first["blocked"], first["reference"]))
+    error = {name: max(float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()
+                             / jnp.abs(b.astype(jnp.float32)).max())
+                       for a, b in zip(first[name], first["reference"]))
+             for name in first if name != "reference"}
     calls = {name: (lambda c=c: c(*args)) for name, c in compiled.items()}
     del first
     times = _common.interleaved_seconds(calls, repeats)
@@ -87,16 +103,34 @@ def run(case: dict, repeats: int) -> dict:
     }
 
 
+def gpu_case(cpu_check: bool) -> dict:
+    """`GPU`, or with `cpu_check` its paths and dtype at `QUICK`'s size on one CPU device."""
+    import jax
+
+    if cpu_check:
+        _common.use_cpu_devices(1)
+        return {**QUICK, "dtype": GPU["dtype"], "paths": GPU["paths"]}
+    if jax.devices()[0].platform != "gpu":
+        raise SystemExit(f"--gpu needs a GPU; JAX sees {jax.devices()} (use --cpu-check)")
+    return dict(GPU)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (tests)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length")
     parser.add_argument("--block", type=int, default=None, help="block_q = block_kv")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps of each (median)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="on the GPU: seq 32768, bf16, fused vs blocked vs reference")
+    parser.add_argument("--cpu-check", action="store_true",
+                        help="with --gpu: the same paths at a tiny size on one CPU device")
     args = parser.parse_args(argv)
-    _common.use_cpu_devices(1)
-
-    case = dict(QUICK if args.quick else FULL)
+    if args.gpu:
+        case = gpu_case(args.cpu_check)
+    else:
+        _common.use_cpu_devices(1)
+        case = dict(QUICK if args.quick else FULL)
     for key in ("seq", "block", "repeats"):
         value = getattr(args, key)
         if value is not None:
@@ -104,11 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"--{key} must be >= 1, got {value}")
             case[key] = value
 
+    import jax
+
     print(
-        f"Causal attention fwd+bwd on one CPU device: blocked (FlashAttention, blocks "
-        f"{case['block']} x {case['block']}) vs the reference dense path; seq {case['seq']}, "
-        f"batch {case['batch']}, {case['heads']} heads of {case['head_dim']}, fp32; median of "
-        f"{case['repeats']} interleaved steps after one warm-up"
+        f"Causal attention fwd+bwd on {jax.devices()[0].device_kind}: "
+        f"{', '.join(case['paths'])} (blocked: FlashAttention, blocks {case['block']} x "
+        f"{case['block']}; reference: dense fp32 scores); seq {case['seq']}, batch "
+        f"{case['batch']}, {case['heads']} heads of {case['head_dim']}, {case['dtype']}; median "
+        f"of {case['repeats']} interleaved steps after one warm-up"
     )
     r = run(case, case["repeats"])
     print()
@@ -116,18 +153,19 @@ def main(argv: list[str] | None = None) -> int:
         ["path", "ms", "temp MiB", "args+out+temp MiB", "compile s"],
         [[name, r["ms"][name], _common.mib(r["memory"][name]["temp"]),
           _common.mib(r["memory"][name]["total"]), r["compile_s"][name]]
-         for name in ("blocked", "reference")],
+         for name in case["paths"]],
     )
     time_factor = r["ms"]["blocked"] / r["ms"]["reference"]
+    diffs = ", ".join(f"{name} {d:.1e}" for name, d in r["max_rel_grad_diff"].items())
     print(f"\nmemory: reference temp / blocked temp = {r['memory_ratio']:.1f}x "
           f"(target >= {MEMORY_TARGET:g}x); time: blocked / reference = {time_factor:.2f}x "
-          f"(target <= {TIME_TARGET:g}x); max relative grad difference "
-          f"{r['max_rel_grad_diff']:.1e}")
+          f"(target <= {TIME_TARGET:g}x); max relative grad difference from reference: {diffs}")
     print()
     _common.print_json(_common.result(
         NAME,
         case=(f"seq={case['seq']} causal heads={case['heads']} head_dim={case['head_dim']} "
-              f"batch={case['batch']} block={case['block']} fp32 fwd+bwd"),
+              f"batch={case['batch']} block={case['block']} {case['dtype']} fwd+bwd "
+              f"on {jax.devices()[0].platform}"),
         jaxspeed=_common.mib(r["memory"]["blocked"]["temp"]),
         baseline=_common.mib(r["memory"]["reference"]["temp"]),
         unit="MiB temp (compiled)", ratio=r["memory_ratio"],
@@ -135,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         ms={name: round(ms, 1) for name, ms in r["ms"].items()}, min_ms=r["min_ms"],
         time_ratio=r["time_ratio"], time_target=round(1 / TIME_TARGET, 3),
         total_MiB={n: round(_common.mib(m["total"]), 1) for n, m in r["memory"].items()},
-        compile_s=r["compile_s"], max_rel_grad_diff=float(f"{r['max_rel_grad_diff']:.3g}"),
+        compile_s=r["compile_s"],
+        max_rel_grad_diff={n: float(f"{d:.3g}") for n, d in r["max_rel_grad_diff"].items()},
         repeats=case["repeats"],
     ))
     return 0

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# Every GPU check in one script, in under 8 minutes on one H200 (a lent machine's budget is 15).
+# Every GPU check in one script, in under 9 minutes on one H200 (a lent machine's budget is 15).
 #
 #   benchmarks/gpu_suite.sh            on a GPU: (a) the Pallas kernels, compiled (not
 #                                      interpreted), against their jnp references: forward and
 #                                      gradients, fp32 and bf16; (b) gpu_engine,
 #                                      gpu_sparse_attention, gpu_moe and gpu_offload, each with
-#                                      its baseline measured in the same run
+#                                      its baseline measured in the same run, and
+#                                      blocked_attention --gpu (cuDNN fused vs blocked vs the
+#                                      dense reference, seq 32k, bf16)
 #   benchmarks/gpu_suite.sh --dry-run  anywhere: every kernel lowered for cuda (abstract GPU
 #                                      device), the kernel tests (a) would run listed, and each
 #                                      benchmark at tiny sizes on the CPU with the options (b) uses
 #
-# Each part runs under `timeout` and the GPU limits add up to 460 s, so the whole run ends within
-# 8 minutes whatever hangs; a part that fails or runs out of time is named and the rest still
+# Each part runs under `timeout` and the GPU limits add up to 505 s, so the whole run ends within
+# 9 minutes whatever hangs; a part that fails or runs out of time is named and the rest still
 # run. Each part's wall time is printed, to rebalance the limits after a real run. PYTHON picks
 # the interpreter (default: .venv/bin/python, else python3). Results go to $OUT (the device
 # tool's output folder) or runs/gpu_suite: a log per part and results.jsonl, every benchmark's
-# JSON lines (7 files at most: the device tool brings back 8).
+# JSON lines (8 files at most: the device tool brings back 8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -56,10 +58,11 @@ case "${1:-}" in
   part gpu_sparse_attention 600 "$PY" benchmarks/gpu_sparse_attention.py --quick
   part gpu_moe 600 "$PY" benchmarks/gpu_moe.py --cpu-check
   part gpu_offload 600 "$PY" benchmarks/gpu_offload.py --quick "${OFFLOAD_ARGS[@]}"
+  part gpu_attention 600 "$PY" benchmarks/blocked_attention.py --gpu --cpu-check
   ;;
 "")
   # Budget (s), compile times included: preflight 20 + kernels 80 + gpu_engine 85 +
-  # gpu_sparse_attention 70 + gpu_moe 80 + gpu_offload 125 = 460.
+  # gpu_sparse_attention 70 + gpu_moe 80 + gpu_offload 125 + gpu_attention 45 = 505.
   timeout -k 2 20 "$PY" - <<'EOF' || { echo "gpu_suite.sh: preflight failed" >&2; exit 2; }
 import sys
 try:
@@ -84,6 +87,7 @@ EOF
   part gpu_sparse_attention 70 "$PY" benchmarks/gpu_sparse_attention.py
   part gpu_moe 80 "$PY" benchmarks/gpu_moe.py
   part gpu_offload 125 "$PY" benchmarks/gpu_offload.py "${OFFLOAD_ARGS[@]}"
+  part gpu_attention 45 "$PY" benchmarks/blocked_attention.py --gpu
   ;;
 *) echo "usage: benchmarks/gpu_suite.sh [--dry-run]" >&2; exit 2 ;;
 esac

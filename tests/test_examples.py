@@ -1,5 +1,6 @@
 """The example scripts train a user's own Linen / NNX model end to end (2 steps each)."""
 
+import json
 import math
 import os
 import re
@@ -42,3 +43,15 @@ def test_onebit_adam_in_a_plain_flax_loop():
     losses = [float(loss) for _, loss in LOSS.findall(result.stdout)]
     assert len(losses) == 6 and losses[-1] < losses[0], result.stdout
     assert result.stdout.count("(compressed)") == 3
+
+
+@pytest.mark.slow  # compiles three variants of the model
+def test_long_context_example_trains_over_the_sequence_axis():
+    result = _run("long_context.py", "--seq-len", "1024")
+    assert result.returncode == 0, f"failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+    losses = [float(loss) for _, loss in LOSS.findall(result.stdout)]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), result.stdout
+    summary = json.loads(result.stdout.splitlines()[-1])
+    total = {name: m["total"] for name, m in summary["per_device_bytes"].items()}
+    # one eighth of a sequence per device holds less than a whole one, and the L x L scores more
+    assert total["sequence 8"] < total["data 8, blocked"] < total["data 8, reference"]

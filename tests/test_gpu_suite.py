@@ -16,7 +16,10 @@ from numerics import mixed_rtol, program_rtol
 from test_benchmarks import check_result
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("gpu_engine", "gpu_sparse_attention", "gpu_moe", "gpu_offload")
+#: The suite's benchmark parts, and the benchmark names their JSON lines carry.
+PARTS = {"gpu_engine": "gpu_engine", "gpu_sparse_attention": "gpu_sparse_attention",
+         "gpu_moe": "gpu_moe", "gpu_offload": "gpu_offload", "gpu_attention": "blocked_attention"}
+BENCHMARKS = tuple(PARTS.values())
 #: Units whose smaller figure is the better one: there ratio = baseline / jaxspeed.
 LOWER_IS_BETTER = ("ms", "MiB")
 
@@ -49,7 +52,7 @@ def results(dry_run):
 
 def test_every_part_ran(dry_run):
     _, stdout = dry_run
-    for part in ("lowering", "kernels", *BENCHMARKS):
+    for part in ("lowering", "kernels", *PARTS):
         assert f"== {part}: ok" in stdout, stdout
 
 
@@ -115,3 +118,10 @@ def test_gpu_offload_compares_each_mode_with_the_device_mode(results):
     assert all_host["case"].startswith("mode=all_host")
     assert device["memory_source"] == all_host["memory_source"]
     assert all_host["ratio"] > 1  # offloaded params and optimizer state leave the device
+
+
+def test_attention_part_times_fused_blocked_and_reference_in_bf16(results):
+    (line,) = results["blocked_attention"]
+    assert set(line["ms"]) == {"fused", "blocked", "reference"}
+    assert "bfloat16" in line["case"]
+    assert set(line["max_rel_grad_diff"]) == {"fused", "blocked"}
