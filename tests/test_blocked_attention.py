@@ -194,7 +194,7 @@ def test_build_gpt_reads_model_attention():
     model = build_gpt(cfg.model)
     assert (model.attention_impl, model.attention_block_q, model.attention_block_kv) == (
         "blocked", 64, 512)
-    assert build_gpt(load_config({}).model).attention_impl == "reference"
+    assert build_gpt(load_config({}).model).attention_impl == "auto"
     model = build_gpt(SimpleNamespace(**TINY, attention={"impl": "fused"}))
     assert model.attention_impl == "fused"
 
@@ -234,3 +234,15 @@ def test_benchmark_quick_run_prints_a_result_line():
     for obj in results:
         check_result(obj, "blocked_attention")
     assert results[-1]["memory_ratio"] > 1
+
+
+@pytest.mark.parametrize("length, want", [(16, "reference"), (40, "blocked")])
+def test_auto_is_blocked_beyond_one_block_on_cpu(monkeypatch, length, want):
+    from jaxspeed.models import gpt
+
+    called = []
+    monkeypatch.setattr(gpt, "blocked_attention", lambda *a, **k: called.append("blocked") or a[0])
+    monkeypatch.setattr(gpt, "causal_attention", lambda *a: called.append("reference") or a[0])
+    q = jnp.zeros((1, length, 2, 8))
+    gpt.attend(q, q, q, impl="auto", block_q=BLOCK, block_kv=BLOCK)
+    assert called == [want]

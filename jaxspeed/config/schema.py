@@ -225,10 +225,11 @@ class AttentionConfig(_Section):
     `reference` materialises the `[batch, heads, length, length]` scores; `blocked` is
     FlashAttention's algorithm in plain JAX, `O(length * block)` memory
     (`jaxspeed.attention.blocked_attention`); `fused` is `jax.nn.dot_product_attention` (cuDNN
-    on a GPU); `auto` is `fused` on a GPU and `blocked` elsewhere.
+    on a GPU); `auto` (default) is `fused` on a GPU and elsewhere `blocked` for sequences
+    longer than a block, `reference` for the rest.
     """
 
-    impl: Literal["auto", "fused", "blocked", "reference"] = "reference"
+    impl: Literal["auto", "fused", "blocked", "reference"] = "auto"
     block_q: _PositiveInt = 512
     block_kv: _PositiveInt = 512
 
@@ -248,6 +249,17 @@ class SequenceParallelConfig(_Section):
     load_balance: _Bool = True
 
 
+class RopeScalingConfig(_Section):
+    """Llama 3's rotary frequency scaling (Hugging Face's `rope_scaling` with
+    `rope_type: llama3`)."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: Annotated[float, Field(gt=0)] = 8.0
+    low_freq_factor: Annotated[float, Field(gt=0)] = 1.0
+    high_freq_factor: Annotated[float, Field(gt=0)] = 4.0
+    original_max_position_embeddings: _PositiveInt = 8192
+
+
 class ModelConfig(_Section):
     """The reference GPT; `moe` and `sparse_attention` are passed to those modules as given."""
 
@@ -256,12 +268,19 @@ class ModelConfig(_Section):
     d_model: _PositiveInt = 256
     n_layers: _PositiveInt = 4
     n_heads: _PositiveInt = 4
+    #: key/value heads (grouped-query attention, a divisor of n_heads); null: n_heads
+    n_kv_heads: _PositiveInt | None = None
     d_ff: _PositiveInt = 1024
     max_seq_len: _PositiveInt = 256
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     mlp: Literal["gelu", "swiglu"] = "gelu"
     positions: Literal["rotary", "learned"] = "rotary"
     tie_embeddings: _Bool = True
+    #: rotary base frequency (Llama 2: 10000, Llama 3: 500000) and Llama 3's scaling
+    rope_theta: Annotated[float, Field(gt=0)] = 10_000.0
+    rope_scaling: RopeScalingConfig | None = None
+    #: epsilon of every norm (RMSNorm's or LayerNorm's)
+    rms_norm_eps: Annotated[float, Field(gt=0)] = 1e-6
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     moe: dict[str, Any] | None = None
@@ -273,6 +292,11 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 f"the head size d_model / n_heads must be a whole number"
+            )
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; each "
+                f"key/value head serves a group of n_heads / n_kv_heads query heads"
             )
         return self
 

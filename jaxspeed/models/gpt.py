@@ -86,6 +86,7 @@ class Norm(nn.Module):
 
     kind: str = "rmsnorm"
     param_dtype: Dtype = jnp.float32
+    eps: float = _NORM_EPS
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -98,7 +99,7 @@ class Norm(nn.Module):
         y = x.astype(jnp.float32)
         if self.kind == "layernorm":
             y = y - jnp.mean(y, axis=-1, keepdims=True)
-        y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + _NORM_EPS)
+        y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + self.eps)
         y = y * scale.astype(jnp.float32)
         if self.kind == "layernorm":
             bias = self.param(
@@ -109,19 +110,47 @@ class Norm(nn.Module):
         return y.astype(x.dtype)
 
 
-def rotary_embedding(x: Array, positions: Array | None = None) -> Array:
-    """Rotary position embedding (RoFormer, Su et al. 2021), rotate-half form.
+@dataclasses.dataclass(frozen=True)
+class Rotary:
+    """Rotary embedding settings: the base `theta` and Llama 3's frequency scaling.
+
+    `scaling` is None or `(factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings)` (Hugging Face's `rope_type: llama3`).
+    """
+
+    theta: float = _ROTARY_BASE
+    scaling: tuple[float, float, float, int] | None = None
+
+    def frequencies(self, head_dim: int) -> np.ndarray:
+        """float32 `[head_dim // 2]` inverse frequencies, computed as Hugging Face does."""
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+        inv_freq = (1.0 / (np.float32(self.theta) ** exponents)).astype(np.float32)
+        if self.scaling is None:
+            return inv_freq
+        factor, low, high, original = self.scaling
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rotary_embedding(
+    x: Array, positions: Array | None = None, rotary: Rotary = Rotary()
+) -> Array:
+    """Rotary position embedding (RoFormer, Su et al. 2021), rotate-half form (Llama's).
 
     Args:
       x: `[batch, length, heads, head_dim]`, head_dim even.
       positions: int `[length]`, each row's position; default row i is position i.
+      rotary: the base and scaling of the frequencies.
 
     Returns:
       `x` rotated by position-dependent angles, same shape and dtype (sin/cos in float32).
     """
     length, head_dim = x.shape[1], x.shape[-1]
-    half = head_dim // 2
-    inv_freq = _ROTARY_BASE ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    inv_freq = jnp.asarray(rotary.frequencies(head_dim))
     if positions is None:
         positions = jnp.arange(length)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [length, half]
@@ -158,14 +187,17 @@ def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: i
       impl: `reference` (`causal_attention`: `[batch, heads, length, length]` fp32 scores),
         `blocked` (`jaxspeed.attention.blocked_attention`, O(length * block) memory), `fused`
         (`jax.nn.dot_product_attention`: cuDNN on a GPU where it applies, XLA elsewhere) or
-        `auto` (`fused` on a GPU, `blocked` elsewhere).
+        `auto`: `fused` on a GPU; elsewhere `blocked` when the sequence is longer than a
+        block, else `reference` (one block holds the whole `[length, length]` tile anyway,
+        and the reference computes it without the loops).
       block_q, block_kv: the blocks of `blocked`.
 
     Returns:
       `[batch, length, heads, head_dim]` in `v`'s dtype.
     """
     if impl == "auto":
-        impl = "fused" if on_gpu() else "blocked"
+        longer = q.shape[1] > block_q or k.shape[1] > block_kv
+        impl = "fused" if on_gpu() else "blocked" if longer else "reference"
     if impl == "fused":
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None)
         return y.astype(v.dtype)
@@ -249,38 +281,44 @@ class Attention(nn.Module):
     """
 
     n_heads: int
-    rotary: bool
+    rotary: Rotary | None
     out_std: float
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
     sparse: SparsityConfig | None = None
     sparse_impl: str = "auto"
-    attention_impl: str = "reference"
+    attention_impl: str = "auto"
     block_q: int = 512
     block_kv: int = 512
     sequence_parallel: str = "ulysses"
     load_balance: bool = True
+    #: key/value heads (grouped-query attention); None: `n_heads`
+    n_kv_heads: int | None = None
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         """`x: [batch, length, embed]` → `[batch, length, embed]`."""
         embed = x.shape[-1]
         head_dim = embed // self.n_heads
-        qkv_shape = (embed, self.n_heads, head_dim)
-        qkv_names = ("embed", "heads", "kv")
+        kv_heads = self.n_kv_heads or self.n_heads
         x = _cast(x, self.dtype)
 
-        def project(name: str) -> Array:
-            kernel = _logical_param(self, name, qkv_names, qkv_shape, std=_INIT_STD)
+        def project(name: str, heads: int) -> Array:
+            kernel = _logical_param(
+                self, name, ("embed", "heads", "kv"), (embed, heads, head_dim), std=_INIT_STD)
             y = jnp.einsum("ble,ehd->blhd", x, _cast(kernel, self.dtype))
             y = nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
             return checkpoint_name(y, "qkv")
 
-        q, k, v = project("query"), project("key"), project("value")
+        q = project("query", self.n_heads)
+        k, v = project("key", kv_heads), project("value", kv_heads)
         split = sequence_split(self.load_balance)
-        if self.rotary:
+        if self.rotary is not None:
             positions = None if split is None else split.positions(q.shape[1])
-            q, k = rotary_embedding(q, positions), rotary_embedding(k, positions)
+            q = rotary_embedding(q, positions, self.rotary)
+            k = rotary_embedding(k, positions, self.rotary)
+        if kv_heads != self.n_heads:  # each group of query heads shares one key/value head
+            k, v = (jnp.repeat(t, self.n_heads // kv_heads, axis=2) for t in (k, v))
         y = self._attend(q, k, v, split)
         y = nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
         y = checkpoint_name(y, "attn_context")
@@ -384,32 +422,34 @@ class Block(nn.Module):
     d_ff: int
     norm: str
     mlp: str
-    rotary: bool
+    rotary: Rotary | None
     out_std: float
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
     sparse: SparsityConfig | None = None
     sparse_impl: str = "auto"
-    attention_impl: str = "reference"
+    attention_impl: str = "auto"
     block_q: int = 512
     block_kv: int = 512
     sequence_parallel: str = "ulysses"
     load_balance: bool = True
+    n_kv_heads: int | None = None
+    norm_eps: float = _NORM_EPS
     moe: tuple[tuple[str, Any], ...] | None = None
 
     @nn.compact
     def __call__(self, x: Array, deterministic: bool = False) -> tuple[Array, None]:
         """`x: [batch, length, embed]` residual stream → (new residual stream, None)."""
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-        h = Norm(self.norm, self.param_dtype, name="attn_norm")(x)
+        h = Norm(self.norm, self.param_dtype, self.norm_eps, name="attn_norm")(x)
         h = Attention(
             self.n_heads, self.rotary, self.out_std, self.param_dtype, self.dtype,
             self.sparse, self.sparse_impl, self.attention_impl, self.block_q, self.block_kv,
-            self.sequence_parallel, self.load_balance, name="attn",
+            self.sequence_parallel, self.load_balance, self.n_kv_heads, name="attn",
         )(h)
         x = x + h.astype(x.dtype)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-        h = Norm(self.norm, self.param_dtype, name="mlp_norm")(x)
+        h = Norm(self.norm, self.param_dtype, self.norm_eps, name="mlp_norm")(x)
         if self.moe is None:
             h = Mlp(self.d_ff, self.mlp, self.out_std, self.param_dtype, self.dtype, name="mlp")(h)
         else:
@@ -459,17 +499,21 @@ class GPT(nn.Module):
     d_model: int = 256
     n_layers: int = 4
     n_heads: int = 4
+    n_kv_heads: int | None = None
     d_ff: int = 1024
     max_seq_len: int = 256
     norm: str = "rmsnorm"
     mlp: str = "gelu"
     positions: str = "rotary"
     tie_embeddings: bool = True
+    rope_theta: float = _ROTARY_BASE
+    rope_scaling: tuple[float, float, float, int] | None = None
+    norm_eps: float = _NORM_EPS
     remat_policy: str = "none"
     remat_names: tuple[str, ...] = ()
     sparse_attention: SparsityConfig | None = None
     sparse_impl: str = "auto"
-    attention_impl: str = "reference"
+    attention_impl: str = "auto"
     attention_block_q: int = 512
     attention_block_kv: int = 512
     sequence_parallel: str = "ulysses"
@@ -503,6 +547,12 @@ class GPT(nn.Module):
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
+            )
+        if self.n_kv_heads is not None and (
+                self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} must be a positive divisor of "
+                f"model.n_heads={self.n_heads} (each key/value head serves a group of query heads)"
             )
         if self.positions == "rotary" and (self.d_model // self.n_heads) % 2:
             raise ConfigError(
@@ -538,7 +588,7 @@ class GPT(nn.Module):
             d_ff=self.d_ff,
             norm=self.norm,
             mlp=self.mlp,
-            rotary=self.positions == "rotary",
+            rotary=Rotary(self.rope_theta, self.rope_scaling) if self.positions == "rotary" else None,
             out_std=_INIT_STD / math.sqrt(2 * self.n_layers),
             param_dtype=self.param_dtype,
             dtype=self.dtype,
@@ -549,6 +599,8 @@ class GPT(nn.Module):
             block_kv=self.attention_block_kv,
             sequence_parallel=self.sequence_parallel,
             load_balance=self.sequence_load_balance,
+            n_kv_heads=self.n_kv_heads,
+            norm_eps=self.norm_eps,
             moe=self.moe,
         )
         unit_cls, kwargs = Block, block
@@ -585,7 +637,7 @@ class GPT(nn.Module):
                 std=_INIT_STD,
             )
         self.layers = self.layer_stack(self.num_units)
-        self.final_norm = Norm(self.norm, self.param_dtype)
+        self.final_norm = Norm(self.norm, self.param_dtype, self.norm_eps)
         if not self.tie_embeddings:
             self.head = _logical_param(
                 self, "head", ("embed", "vocab"), (self.d_model, self.vocab_size), std=_INIT_STD
@@ -649,9 +701,24 @@ class GPT(nn.Module):
 
 
 _GPT_FIELDS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len",
-    "norm", "mlp", "positions", "tie_embeddings",
+    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
+    "norm", "mlp", "positions", "tie_embeddings", "rope_theta",
 )
+
+
+def _llama_options(model_cfg: Any) -> dict[str, Any]:
+    """`model.rms_norm_eps` and `model.rope_scaling` → the `GPT` attributes."""
+    options = {}
+    if getattr(model_cfg, "rms_norm_eps", None) is not None:
+        options["norm_eps"] = float(model_cfg.rms_norm_eps)
+    scaling = getattr(model_cfg, "rope_scaling", None)
+    if scaling is not None:
+        if hasattr(scaling, "model_dump"):  # a validated `jaxspeed.config.RopeScalingConfig`
+            scaling = scaling.model_dump()
+        options["rope_scaling"] = (
+            float(scaling["factor"]), float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+    return options
 
 
 def _sparse_options(model_cfg: Any) -> dict[str, Any]:
@@ -789,6 +856,7 @@ def build_gpt(
     return GPT(
         **kwargs, **_attention_options(model_cfg), **_sparse_options(model_cfg),
         **_sequence_parallel_options(model_cfg), **_moe_options(model_cfg),
+        **_llama_options(model_cfg),
         remat_policy=remat_policy, remat_names=tuple(remat_names), stream_layers=stream_layers,
     )
 
