@@ -125,12 +125,16 @@ def timed(fn, args, *, iters: int, rounds: int) -> float:
     return statistics.median(per_call) * 1e3
 
 
-def interleaved_seconds(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+def interleaved_seconds(
+    calls: dict[str, Callable[[], Any]], repeats: int, *, settle: bool = True,
+) -> dict[str, list[float]]:
     """Wall seconds of each call, `repeats` times, interleaved (A B, B A, A B, ...).
 
-    Each timed call follows an untimed call of the same function, as in a training loop: the
-    allocator is then as that function left it, not as the other one did (a step that frees
-    hundreds of MiB would otherwise make the next, different step pay for the pages).
+    With `settle` (the default) each timed call follows an untimed call of the same function,
+    as in a training loop: the allocator is then as that function left it, not as the other
+    one did (a step that frees hundreds of MiB would otherwise make the next, different step
+    pay for the pages). `settle=False` times every call, for calls of seconds, where those
+    pages are noise and the untimed calls would double the run.
     Results are waited for with `jax.block_until_ready`.
     """
     import jax
@@ -139,7 +143,8 @@ def interleaved_seconds(calls: dict[str, Callable[[], Any]], repeats: int) -> di
     times: dict[str, list[float]] = {name: [] for name in order}
     for i in range(repeats):
         for name in order if i % 2 == 0 else order[::-1]:
-            jax.block_until_ready(calls[name]())  # untimed: the allocator as the call left it
+            if settle:  # untimed: the allocator as the call left it
+                jax.block_until_ready(calls[name]())
             start = time.perf_counter()
             jax.block_until_ready(calls[name]())
             times[name].append(time.perf_counter() - start)

@@ -7,7 +7,7 @@ from jaxspeed.mesh import AXES, data_parallel_size, make_mesh, resolve_axis_size
 
 def test_fill_minus_one():
     assert resolve_axis_sizes({"data": -1, "tensor": 2}, 8) == {
-        "pipe": 1, "data": 4, "expert": 1, "tensor": 2,
+        "pipe": 1, "data": 4, "sequence": 1, "expert": 1, "tensor": 2,
     }
 
 
@@ -29,8 +29,8 @@ def test_bad_mesh(sizes, match):
 def test_make_mesh_axes_and_types():
     mesh = make_mesh({"data": 4, "tensor": 2})
     assert mesh.axis_names == AXES
-    assert dict(mesh.shape) == {"pipe": 1, "data": 4, "expert": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"pipe": 1, "data": 4, "sequence": 1, "expert": 1, "tensor": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     assert data_parallel_size(mesh) == 4
     # tensor innermost: tensor-parallel peers are adjacent devices
-    assert [d.id for d in mesh.devices[0, 0, 0, :]] == [0, 1]
+    assert [d.id for d in mesh.devices[0, 0, 0, 0, :]] == [0, 1]

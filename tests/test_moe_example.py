@@ -42,7 +42,7 @@ def _example_module():
 def test_example_model_puts_its_experts_on_the_expert_axis():
     example = _example_module()
     engine = js.initialize(example.CONFIG, model=example.MoEByteLM())  # plans, compiles nothing
-    assert dict(engine.mesh.shape) == {"pipe": 1, "data": 2, "expert": 4, "tensor": 1}
+    assert dict(engine.mesh.shape) == {"pipe": 1, "data": 2, "sequence": 1, "expert": 4, "tensor": 1}
     params = engine.plan.params
     # expert weights: experts over `expert`, ZeRO-3 over `data`
     assert params["moe"]["expert_w_in"].spec == P("expert", None, "data")
@@ -57,7 +57,7 @@ def test_gpt_moe_config_is_expert_parallel_with_zero3():
     assert config.zero_optimization.stage == 3
     assert config.model.moe["num_experts"] % config.mesh.expert == 0
     engine = js.initialize(config)
-    assert dict(engine.mesh.shape) == {"pipe": 1, "data": 2, "expert": 4, "tensor": 1}
+    assert dict(engine.mesh.shape) == {"pipe": 1, "data": 2, "sequence": 1, "expert": 4, "tensor": 1}
     moe = engine.plan.params["layers"]["moe_block"]["moe"]
     assert moe["expert_w_in"].spec == P(None, "expert", None, "data")  # [units, E, M, H]
     dense_wi = engine.plan.params["layers"]["dense_0"]["mlp"]["wi"]
@@ -80,7 +80,7 @@ def test_moe_example_trains_two_steps_and_prints_the_aux_loss():
         assert math.isfinite(loss) and 0 < loss < 10, rows
         # one MoE layer: aux_loss_coef 0.01 x GShard balance loss (1 when balanced, <= E)
         assert math.isfinite(aux) and 0.005 < aux < 0.1, rows
-    assert "mesh: pipe=1, data=2, expert=4, tensor=1   ZeRO stage 3" in result.stdout
+    assert "mesh: pipe=1, data=2, sequence=1, expert=4, tensor=1   ZeRO stage 3" in result.stdout
     # The experts are split over the `expert` mesh axis (and ZeRO-3 over `data`).
     assert re.search(r"^moe/expert_w_in\s+8×64×128\s+\(expert, None, data\)", result.stdout,
                      re.MULTILINE), result.stdout

@@ -36,7 +36,7 @@ def dataset():
 def single_device_mesh():
     return jax.make_mesh(
         (1,) * len(AXES), AXES, devices=jax.devices()[:1],
-        axis_types=(jax.sharding.AxisType.Auto,) * 4,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
     )
 
 
@@ -126,6 +126,6 @@ def test_gpt_3d_config_builds_a_3d_engine():
 
     path = Path(__file__).resolve().parent.parent / "configs" / "gpt_3d.yaml"
     engine = js.initialize(js.load_config(path))
-    assert dict(engine.mesh.shape) == {"pipe": 2, "data": 2, "expert": 1, "tensor": 2}
+    assert dict(engine.mesh.shape) == {"pipe": 2, "data": 2, "sequence": 1, "expert": 1, "tensor": 2}
     assert engine.config.zero_optimization.stage == 3
     assert engine.batch_sizes.accumulation_steps == engine.config.pipeline.num_microbatches
