@@ -19,7 +19,7 @@ from jaxspeed.mesh import make_mesh
 
 #: The saved run's batch and mesh do not matter for reading params: one device, one row.
 _ONE_DEVICE = [
-    "mesh.pipe=1", "mesh.data=1", "mesh.expert=1", "mesh.tensor=1",
+    "mesh.pipe=1", "mesh.data=1", "mesh.sequence=1", "mesh.expert=1", "mesh.tensor=1",
     "train_batch_size=null", "train_micro_batch_size_per_device=1", "gradient_accumulation_steps=1",
 ]
 

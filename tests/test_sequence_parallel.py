@@ -21,6 +21,7 @@ from jaxspeed.attention.sequence_parallel import (
 from jaxspeed.cli import main
 from jaxspeed.data import TokenDataset
 from jaxspeed.errors import ConfigError
+from jaxspeed.export import export_params
 from jaxspeed.mesh import make_mesh
 from numerics import assert_adam_params_close, assert_close, gpt_rtol, mixed_rtol
 from test_blocked_attention import attention_rtol, dense_attention, qkv_do
@@ -223,6 +224,8 @@ def test_checkpoint_from_sequence4_restores_at_sequence1(tmp_path, dataset):
     moved = moved_engine.restore(directory=tmp_path)
     _, moved_losses = train(moved_engine, moved, dataset, 2, start=2)
     np.testing.assert_allclose(moved_losses, kept, rtol=RHO)
+    exported = export_params(tmp_path, tmp_path / "params.msgpack")  # onto one device
+    assert exported.stat().st_size > 0
 
 
 CLI_TINY = {
