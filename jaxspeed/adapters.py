@@ -20,6 +20,16 @@ from jaxspeed.losses import AUX_LOSS, total_aux_loss
 from jaxspeed.tree_paths import key_names
 
 
+#: Per-token batch entries `[batch, length]` passed to the model as keyword arguments:
+#: packed sequences' document ids (attention stays within a document) and positions.
+TOKEN_FEATURES = ("segment_ids", "positions")
+
+
+def token_features(batch) -> dict[str, Any]:
+    """The `TOKEN_FEATURES` a batch has."""
+    return {name: batch[name] for name in TOKEN_FEATURES if name in batch}
+
+
 class ModelFns(NamedTuple):
     """A model as pure functions.
 
@@ -27,9 +37,11 @@ class ModelFns(NamedTuple):
       abstract_params: pytree of `ShapeDtypeStruct`, the parameter structure.
       logical_axes: pytree like the params of logical-name tuples (or None), or a function
         `(path, leaf) -> names`.
-      apply: `(params, inputs, rng, train) -> (outputs, aux_loss)`; `aux_loss` is the sum of
-        the auxiliary losses the model recorded (Linen: `sow`n into the `aux_loss`
-        collection), or None when it records none.
+      apply: `(params, inputs, rng, train, **features) -> (outputs, aux_loss)`; `features`
+        are the batch's per-token `TOKEN_FEATURES` when it has them (packed sequences),
+        passed to the model as keyword arguments; `aux_loss` is the sum of the auxiliary
+        losses the model recorded (Linen: `sow`n into the `aux_loss` collection), or None
+        when it records none.
       init: `(rng) -> params`, traceable (jitted with the plan's shardings), or None when
         the params already exist (`initial_params`).
       initial_params: concrete params (NNX instances, plain pytrees), else None.
@@ -73,11 +85,11 @@ def linen_fns(module: nn.Module, sample_inputs) -> ModelFns:
         _only_params(variables)
         return nn.unbox(variables["params"])
 
-    def apply(params, inputs, rng, train):
+    def apply(params, inputs, rng, train, **features):
         rngs = _rngs(rng)
         kwargs = {"deterministic": not train} if flag else {}
         outputs, state = module.apply(
-            {"params": params}, inputs, rngs=rngs, mutable=[AUX_LOSS], **kwargs
+            {"params": params}, inputs, rngs=rngs, mutable=[AUX_LOSS], **kwargs, **features
         )
         return outputs, total_aux_loss(state)
 
@@ -128,7 +140,8 @@ def nnx_fns(model: nnx.Module) -> ModelFns:
     return ModelFns(
         abstract_params=jax.eval_shape(lambda: params),
         logical_axes=logical_axes,
-        apply=lambda p, inputs, rng, train: (nnx.merge(graphdef, p, rest)(inputs), None),
+        apply=lambda p, inputs, rng, train, **features: (
+            nnx.merge(graphdef, p, rest)(inputs, **features), None),
         init=None,
         initial_params=params,
     )
@@ -149,7 +162,7 @@ def pytree_fns(apply: Callable, params, param_axes=None) -> ModelFns:
     return ModelFns(
         abstract_params=jax.eval_shape(lambda: params),
         logical_axes=param_axes,
-        apply=lambda p, inputs, rng, train: (apply(p, inputs), None),
+        apply=lambda p, inputs, rng, train, **features: (apply(p, inputs, **features), None),
         init=None,
         initial_params=params,
     )

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed import precision
-from jaxspeed.adapters import ModelFns, model_fns
+from jaxspeed.adapters import ModelFns, model_fns, token_features
 from jaxspeed.attention.sequence_parallel import check_length
 from jaxspeed.checkpoint import Checkpointer
 from jaxspeed.config import Config, load_config, resolve_batch
@@ -401,10 +401,17 @@ def _objective(config: Config, mesh: Mesh, fns: ModelFns, loss_fn, model):
             model, loss_fn, mesh=mesh, num_microbatches=pipe.num_microbatches,
             schedule=pipe.schedule, partition=pipe.partition, virtual_stages=pipe.virtual_stages,
         )
-        return lambda params, batch, rng, train: (pipelined(params, batch), {})
+        def pipelined_objective(params, batch, rng, train):
+            if token_features(batch):
+                raise ConfigError(
+                    f"packed sequences ({', '.join(token_features(batch))} in the batch) with "
+                    f"pipeline parallelism are not available; use mesh.pipe=1")
+            return pipelined(params, batch), {}
+
+        return pipelined_objective
 
     def objective(params, batch, rng, train):
-        outputs, aux = fns.apply(params, batch["inputs"], rng, train)
+        outputs, aux = fns.apply(params, batch["inputs"], rng, train, **token_features(batch))
         loss = loss_fn(outputs, batch).astype(jnp.float32)
         if aux is None:
             return loss, {}

@@ -30,7 +30,7 @@ _F32 = jnp.float32
 
 def blocked_attention(
     q: Array, k: Array, v: Array, *, causal: bool = False, sm_scale: float | None = None,
-    block_q: int = 512, block_kv: int = 512,
+    block_q: int = 512, block_kv: int = 512, segment_ids: Array | None = None,
 ) -> Array:
     """Softmax attention computed block by block (FlashAttention), differentiable.
 
@@ -40,6 +40,8 @@ def blocked_attention(
       causal: mask keys after the query (query row i sees keys 0..i).
       sm_scale: logit scale; default `1 / sqrt(head_dim)`.
       block_q, block_kv: rows of q and of k/v per block (shrunk to the lengths when larger).
+      segment_ids: int `[batch, length]` (self-attention, q_len == kv_len): a query sees
+        only keys of its own segment (packed documents); None: one segment.
 
     Returns:
       `[batch, q_len, heads, head_dim]` in `v`'s dtype; softmax and sums in float32.
@@ -57,10 +59,29 @@ def blocked_attention(
             raise ValueError(f"{name} must be a positive integer, got {block!r}")
     scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
     spec = _spec(q, k, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
+    segments = None
+    if segment_ids is not None:
+        if q.shape[1] != k.shape[1] or segment_ids.shape != q.shape[:2]:
+            raise ValueError(
+                f"segment_ids must be [batch, length] {q.shape[:2]} for self-attention; got "
+                f"{segment_ids.shape} with q {q.shape}, k {k.shape}")
+        segments = _segment_blocks(segment_ids, spec)
     # Inside `shard_map` the loop carries (made `*_like` the inputs) and the cotangents must
     # have the inputs' varying axes: give all three the same ones.
     q, k, v = vary_alike(q, k, v)
-    return _attention(spec, q, k, v)
+    return _attention(spec, q, k, v, segments)
+
+
+def _segment_blocks(segment_ids: Array, spec: _Spec) -> tuple[Array, Array]:
+    """Segment ids blocked for queries `[num_q, batch, block_q]` and keys `[num_kv, batch,
+    block_kv]`; padding gets ids no real row or key has (-1 and -2)."""
+    def blocks(count, block, pad):
+        b, length = segment_ids.shape
+        x = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, count * block - length)),
+                    constant_values=pad)
+        return x.reshape(b, count, block).transpose(1, 0, 2)
+
+    return (blocks(spec.num_q, spec.block_q, -1), blocks(spec.num_kv, spec.block_kv, -2))
 
 
 def flash_forward(
@@ -175,18 +196,24 @@ def _from_blocks(x: Array, length: int) -> Array:
     return x.transpose(1, 0, 3, 2, 4).reshape(b, count * block, h, d)[:, :length]
 
 
-def _scores(spec: _Spec, q_i: Array, k_j: Array, i: Array, j: Array) -> tuple[Array, Array]:
-    """Scaled fp32 logits `[batch, heads, block_q, block_kv]` and their mask."""
+def _scores(spec: _Spec, q_i: Array, k_j: Array, i: Array, j: Array,
+            segments=None) -> tuple[Array, Array]:
+    """Scaled fp32 logits `[batch, heads, block_q, block_kv]` and their mask (broadcastable)."""
     s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, preferred_element_type=_F32)
-    return s.astype(_F32) * spec.scale, spec.mask(i, j)
+    keep = spec.mask(i, j)
+    if segments is not None:
+        seg_q, seg_kv = segments
+        keep = keep & (seg_q[i][:, None, :, None] == seg_kv[j][:, None, None, :])
+    return s.astype(_F32) * spec.scale, keep
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(spec: _Spec, q: Array, k: Array, v: Array) -> Array:
-    return _forward(spec, q, k, v)[0]
+def _attention(spec: _Spec, q: Array, k: Array, v: Array, segments) -> Array:
+    return _forward(spec, q, k, v, segments)[0]
 
 
-def _forward(spec: _Spec, q: Array, k: Array, v: Array, out_dtype=None) -> tuple[Array, Array]:
+def _forward(spec: _Spec, q: Array, k: Array, v: Array, segments=None,
+             out_dtype=None) -> tuple[Array, Array]:
     """Output `[batch, q_len, heads, dim]` (in `out_dtype`, default `v`'s) and row logsumexp
     `[num_q, batch, heads, block_q]` (+inf for a row that saw no key)."""
     qb = _to_blocks(q, spec.block_q, spec.num_q)
@@ -198,7 +225,7 @@ def _forward(spec: _Spec, q: Array, k: Array, v: Array, out_dtype=None) -> tuple
 
         def kv_block(j, carry):
             m, l, acc = carry
-            s, keep = _scores(spec, q_i, kb[j], i, j)
+            s, keep = _scores(spec, q_i, kb[j], i, j, segments)
             m_new = jnp.maximum(m, jnp.max(jnp.where(keep, s, -jnp.inf), axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
             p = jnp.where(keep, jnp.exp(s - m_safe[..., None]), 0.0)
@@ -220,18 +247,18 @@ def _forward(spec: _Spec, q: Array, k: Array, v: Array, out_dtype=None) -> tuple
     return _from_blocks(out, spec.q_len), lse
 
 
-def _attention_fwd(spec, q, k, v):
-    out, lse = _forward(spec, q, k, v)
-    return out, (q, k, v, out, lse)
+def _attention_fwd(spec, q, k, v, segments):
+    out, lse = _forward(spec, q, k, v, segments)
+    return out, (q, k, v, out, lse, segments)
 
 
 def _attention_bwd(spec, residuals, d_out):
-    q, k, v, out, lse = residuals
-    dq, dk, dv = _backward(spec, q, k, v, out, lse, d_out)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    q, k, v, out, lse, segments = residuals
+    dq, dk, dv = _backward(spec, q, k, v, out, lse, d_out, segments)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
-def _backward(spec: _Spec, q, k, v, out, lse, d_out) -> tuple[Array, Array, Array]:
+def _backward(spec: _Spec, q, k, v, out, lse, d_out, segments=None) -> tuple[Array, Array, Array]:
     """float32 `dq, dk, dv` from the output, its row logsumexp (blocked) and `d_out`."""
     qb = _to_blocks(q, spec.block_q, spec.num_q)
     dob = _to_blocks(d_out, spec.block_q, spec.num_q)
@@ -247,7 +274,7 @@ def _backward(spec: _Spec, q, k, v, out, lse, d_out) -> tuple[Array, Array, Arra
         def q_block(i, carry):
             dk, dv, dq = carry
             q_i, do_i = qb[i], dob[i]
-            s, keep = _scores(spec, q_i, k_j, i, j)
+            s, keep = _scores(spec, q_i, k_j, i, j, segments)
             p = jnp.where(keep, jnp.exp(s - lse[i][..., None]), 0.0)
             dv = dv + jnp.einsum("bhqk,bhqd->bhkd", p.astype(do_i.dtype), do_i,
                                  preferred_element_type=_F32).astype(_F32)

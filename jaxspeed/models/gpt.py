@@ -143,7 +143,8 @@ def rotary_embedding(
 
     Args:
       x: `[batch, length, heads, head_dim]`, head_dim even.
-      positions: int `[length]`, each row's position; default row i is position i.
+      positions: int `[length]` or `[batch, length]`, each row's position; default row i is
+        position i.
       rotary: the base and scaling of the frequencies.
 
     Returns:
@@ -153,19 +154,22 @@ def rotary_embedding(
     inv_freq = jnp.asarray(rotary.frequencies(head_dim))
     if positions is None:
         positions = jnp.arange(length)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [length, half]
-    sin = jnp.sin(angles)[None, :, None, :]
-    cos = jnp.cos(angles)[None, :, None, :]
+    positions = jnp.broadcast_to(positions, x.shape[:2])  # per row: packed documents restart
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, length, half]
+    sin = jnp.sin(angles)[:, :, None, :]
+    cos = jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
 
 
-def causal_attention(q: Array, k: Array, v: Array) -> Array:
+def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = None) -> Array:
     """Causal softmax attention with a float32 softmax.
 
     Args:
       q, k, v: `[batch, length, heads, head_dim]`.
+      segment_ids: int `[batch, length]`: a query sees only keys of its own segment (packed
+        documents); None: one segment.
 
     Returns:
       `[batch, length, heads, head_dim]` in `v`'s dtype.
@@ -173,13 +177,21 @@ def causal_attention(q: Array, k: Array, v: Array) -> Array:
     length, head_dim = q.shape[1], q.shape[-1]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
     scores = scores.astype(jnp.float32) / math.sqrt(head_dim)
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    keep = jnp.tril(jnp.ones((length, length), dtype=bool))
+    if segment_ids is not None:
+        keep = keep & same_segment(segment_ids)
+    scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: int) -> Array:
+def same_segment(segment_ids: Array) -> Array:
+    """bool `[batch, 1, length, length]`: query and key in the same segment."""
+    return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+
+
+def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: int,
+           segment_ids: Array | None = None) -> Array:
     """Dense causal softmax attention, computed as `impl` says.
 
     Args:
@@ -191,6 +203,8 @@ def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: i
         block, else `reference` (one block holds the whole `[length, length]` tile anyway,
         and the reference computes it without the loops).
       block_q, block_kv: the blocks of `blocked`.
+      segment_ids: int `[batch, length]` of packed documents (attention stays within one),
+        or None.
 
     Returns:
       `[batch, length, heads, head_dim]` in `v`'s dtype.
@@ -199,11 +213,14 @@ def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: i
         longer = q.shape[1] > block_q or k.shape[1] > block_kv
         impl = "fused" if on_gpu() else "blocked" if longer else "reference"
     if impl == "fused":
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None)
+        mask = None if segment_ids is None else same_segment(segment_ids)
+        y = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                         implementation=None)
         return y.astype(v.dtype)
     if impl == "blocked":
-        return blocked_attention(q, k, v, causal=True, block_q=block_q, block_kv=block_kv)
-    return causal_attention(q, k, v)
+        return blocked_attention(q, k, v, causal=True, block_q=block_q, block_kv=block_kv,
+                                 segment_ids=segment_ids)
+    return causal_attention(q, k, v, segment_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,8 +313,10 @@ class Attention(nn.Module):
     n_kv_heads: int | None = None
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
-        """`x: [batch, length, embed]` → `[batch, length, embed]`."""
+    def __call__(self, x: Array, segment_ids: Array | None = None,
+                 positions: Array | None = None) -> Array:
+        """`x: [batch, length, embed]` → `[batch, length, embed]`; `segment_ids` and
+        `positions` (int `[batch, length]`) describe packed documents."""
         embed = x.shape[-1]
         head_dim = embed // self.n_heads
         kv_heads = self.n_kv_heads or self.n_heads
@@ -313,13 +332,18 @@ class Attention(nn.Module):
         q = project("query", self.n_heads)
         k, v = project("key", kv_heads), project("value", kv_heads)
         split = sequence_split(self.load_balance)
+        if split is not None and (segment_ids is not None or positions is not None):
+            raise ConfigError(
+                "packed sequences (segment_ids, positions) with mesh.sequence > 1 are not "
+                "available in this version of jaxspeed; use mesh.sequence=1 or no packing")
         if self.rotary is not None:
-            positions = None if split is None else split.positions(q.shape[1])
+            if positions is None and split is not None:
+                positions = split.positions(q.shape[1])
             q = rotary_embedding(q, positions, self.rotary)
             k = rotary_embedding(k, positions, self.rotary)
         if kv_heads != self.n_heads:  # each group of query heads shares one key/value head
             k, v = (jnp.repeat(t, self.n_heads // kv_heads, axis=2) for t in (k, v))
-        y = self._attend(q, k, v, split)
+        y = self._attend(q, k, v, split, segment_ids)
         y = nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
         y = checkpoint_name(y, "attn_context")
         out = _logical_param(
@@ -327,8 +351,13 @@ class Attention(nn.Module):
         )
         return checkpoint_name(jnp.einsum("blhd,hde->ble", y, _cast(out, self.dtype)), "attn_out")
 
-    def _attend(self, q: Array, k: Array, v: Array, split: SequenceSplit | None) -> Array:
+    def _attend(self, q: Array, k: Array, v: Array, split: SequenceSplit | None,
+                segment_ids: Array | None = None) -> Array:
         layout = None if self.sparse is None else sparse_layout(self.sparse, q.shape[1])
+        if layout is not None and segment_ids is not None:
+            raise ConfigError(
+                "model.sparse_attention with packed sequences (segment_ids) is not available; "
+                "set data.packing: false or model.sparse_attention: null")
         if split is not None:
             if self.sparse is not None and self.sequence_parallel == "ring":
                 raise ConfigError(
@@ -338,7 +367,8 @@ class Attention(nn.Module):
             layout = None if layout is None else _shared_layout(layout)
         if layout is None:
             dense = functools.partial(
-                attend, impl=self.attention_impl, block_q=self.block_q, block_kv=self.block_kv
+                attend, impl=self.attention_impl, block_q=self.block_q, block_kv=self.block_kv,
+                segment_ids=segment_ids,
             )
         else:
             dense = functools.partial(
@@ -438,15 +468,17 @@ class Block(nn.Module):
     moe: tuple[tuple[str, Any], ...] | None = None
 
     @nn.compact
-    def __call__(self, x: Array, deterministic: bool = False) -> tuple[Array, None]:
-        """`x: [batch, length, embed]` residual stream → (new residual stream, None)."""
+    def __call__(self, x: Array, deterministic: bool = False, segment_ids: Array | None = None,
+                 positions: Array | None = None) -> tuple[Array, None]:
+        """`x: [batch, length, embed]` residual stream → (new residual stream, None);
+        `segment_ids` / `positions` of packed documents go to the attention."""
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         h = Norm(self.norm, self.param_dtype, self.norm_eps, name="attn_norm")(x)
         h = Attention(
             self.n_heads, self.rotary, self.out_std, self.param_dtype, self.dtype,
             self.sparse, self.sparse_impl, self.attention_impl, self.block_q, self.block_kv,
             self.sequence_parallel, self.load_balance, self.n_kv_heads, name="attn",
-        )(h)
+        )(h, segment_ids, positions)
         x = x + h.astype(x.dtype)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         h = Norm(self.norm, self.param_dtype, self.norm_eps, name="mlp_norm")(x)
@@ -467,10 +499,13 @@ class BlockGroup(nn.Module):
     block: dict[str, Any]
 
     @nn.compact
-    def __call__(self, x: Array, deterministic: bool = False) -> tuple[Array, None]:
+    def __call__(self, x: Array, deterministic: bool = False, segment_ids: Array | None = None,
+                 positions: Array | None = None) -> tuple[Array, None]:
+        features = (segment_ids, positions)
         for i in range(self.every - 1):
-            x, _ = Block(**{**self.block, "moe": None}, name=f"dense_{i}")(x, deterministic)
-        return Block(**self.block, name="moe_block")(x, deterministic)
+            x, _ = Block(**{**self.block, "moe": None}, name=f"dense_{i}")(
+                x, deterministic, *features)
+        return Block(**self.block, name="moe_block")(x, deterministic, *features)
 
 
 class GPT(nn.Module):
@@ -643,7 +678,7 @@ class GPT(nn.Module):
                 self, "head", ("embed", "vocab"), (self.d_model, self.vocab_size), std=_INIT_STD
             )
 
-    def embed(self, tokens: Array) -> Array:
+    def embed(self, tokens: Array, positions: Array | None = None) -> Array:
         """int tokens `[batch, length]` → residual stream `[batch, length, embed]`.
 
         Under a sequence split with load balance, `tokens` are in the balanced layout.
@@ -658,11 +693,10 @@ class GPT(nn.Module):
         x = _cast(jnp.take(self.embedding, tokens, axis=0), self.dtype)
         if self.positions == "learned":
             split = sequence_split(self.sequence_load_balance)
-            if split is None:
-                pos = self.pos_embedding[:length]
-            else:
-                pos = jnp.take(self.pos_embedding, split.positions(length), axis=0)
-            x = x + _cast(pos, x.dtype)[None]
+            if positions is None:
+                positions = jnp.arange(length) if split is None else split.positions(length)
+            pos = jnp.take(self.pos_embedding, jnp.broadcast_to(positions, tokens.shape), axis=0)
+            x = x + _cast(pos, x.dtype)
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
     def logits(self, x: Array) -> Array:
@@ -680,23 +714,30 @@ class GPT(nn.Module):
         logits = logits.astype(jnp.float32)
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
-    def __call__(self, tokens: Array, deterministic: bool = False) -> Array:
+    def __call__(self, tokens: Array, deterministic: bool = False, *,
+                 segment_ids: Array | None = None, positions: Array | None = None) -> Array:
         """Next-token logits.
 
         Args:
           tokens: int `[batch, length]`, length ≤ max_seq_len, values in [0, vocab_size).
           deterministic: evaluation mode (MoE: eval capacity, no gate noise / random order).
+          segment_ids: int `[batch, length]`, packed sequences' document ids: a token attends
+            only to earlier tokens of its own document. None: each row is one document.
+          positions: int `[batch, length]`, each token's position in its document (rotary
+            and learned positions restart with each document). None: 0, 1, ...
 
         Returns:
           float32 logits `[batch, length, vocab]`.
         """
         split = sequence_split(self.sequence_load_balance)
         if split is None or not split.balanced:
-            x, _ = self.layers(self.embed(tokens), deterministic)
+            x, _ = self.layers(self.embed(tokens, positions), deterministic, segment_ids,
+                               positions)
             return self.logits(x)
         # Load-balanced sequence split: the layers run on the balanced layout, whose causal
         # attention costs every device the same; the logits come out in the original order.
-        x, _ = self.layers(self.embed(to_layout(tokens, split.axis)), deterministic)
+        x, _ = self.layers(self.embed(to_layout(tokens, split.axis)), deterministic,
+                           segment_ids, positions)
         return self.logits(from_layout(x, split.axis))
 
 
