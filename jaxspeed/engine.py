@@ -53,6 +53,8 @@ class Engine:
         self.mesh = mesh
         self.fns = fns
         self.plan = plan
+        #: the Flax module when one was given (or built from `config.model`), else None
+        self.model = model if isinstance(model, nn.Module) else None
         self.batch_sizes = resolve_batch(config, data_parallel_size(mesh))
         host_update = config.zero_optimization.offload_optimizer.update_on == "host"
         self.onebit_axes = onebit_axes(config, mesh)
@@ -218,9 +220,13 @@ class Engine:
             loss_scale=loss_scale,
         )
 
-    def init(self, rng: jax.Array) -> TrainState:
-        """Creates the train state directly in its planned shardings (params never gathered)."""
-        params = self.fns.initial_params
+    def init(self, rng: jax.Array, *, params=None) -> TrainState:
+        """Creates the train state directly in its planned shardings (params never gathered).
+
+        `params`: start from these (e.g. `jaxspeed.params_checkpoint.start_from`'s, already in
+        `plan.params`) with a fresh optimizer state, instead of initialising them.
+        """
+        params = self.fns.initial_params if params is None else params
         if params is not None:
             params = jax.device_put(params, self.plan.params)
         # No logical-rules context here: Flax's init-time reshapes (e.g. DenseGeneral) would

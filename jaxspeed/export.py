@@ -38,6 +38,22 @@ def export_params(checkpoint_dir: str | Path, out: str | Path, *, step: int | No
     out = Path(out)
     if out.suffix != ".msgpack":
         raise CheckpointError(f"--out {out}: only .msgpack (Flax serialization) is supported")
+    _, state = load_trained(checkpoint_dir, step=step, devices=jax.devices()[:1])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".msgpack.tmp")
+    tmp.write_bytes(serialization.msgpack_serialize(jax.device_get(state.params)))
+    tmp.replace(out)  # never leave a half-written file under the final name
+    return out
+
+
+def load_trained(checkpoint_dir: str | Path, *, step: int | None = None, devices=None,
+                 overrides: list[str] | None = None):
+    """The engine a checkpoint's saved config describes, on `devices`, and its state.
+
+    The mesh is rebuilt for `devices` (default all): `pipe`, `sequence` and `data` are
+    dropped to 1 and the rest of the devices fill `data`, unless `overrides` say otherwise
+    (on one device, every axis is 1). Orbax reads each array straight into the new plan.
+    """
     if not Path(checkpoint_dir).is_dir():
         raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist")
     ckpt = Checkpointer(checkpoint_dir)
@@ -47,13 +63,12 @@ def export_params(checkpoint_dir: str | Path, out: str | Path, *, step: int | No
     if "config" not in meta:
         raise CheckpointError(
             f"checkpoint in {ckpt.directory} has no saved config; restore it with the engine "
-            "that wrote it (engine.restore) and serialize state.params yourself"
+            "that wrote it (engine.restore)"
         )
-    config = load_config(meta["config"], overrides=_ONE_DEVICE)
-    engine = initialize(config, mesh=make_mesh(config.mesh, devices=jax.devices()[:1]))
+    devices = list(devices) if devices is not None else jax.devices()
+    mesh_overrides = _ONE_DEVICE if len(devices) == 1 else [
+        "mesh.pipe=1", "mesh.sequence=1", "mesh.data=-1", *_ONE_DEVICE[5:]]
+    config = load_config(meta["config"], overrides=[*mesh_overrides, *(overrides or [])])
+    engine = initialize(config, mesh=make_mesh(config.mesh, devices=devices))
     state, _ = ckpt.restore(engine.abstract_state(), step=step)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".msgpack.tmp")
-    tmp.write_bytes(serialization.msgpack_serialize(jax.device_get(state.params)))
-    tmp.replace(out)  # never leave a half-written file under the final name
-    return out
+    return engine, state

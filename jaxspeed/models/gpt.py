@@ -311,6 +311,10 @@ class Attention(nn.Module):
     load_balance: bool = True
     #: key/value heads (grouped-query attention); None: `n_heads`
     n_kv_heads: int | None = None
+    #: autoregressive decoding: keys and values of earlier calls are kept in the `cache`
+    #: collection (`cache_len` positions), and each call's tokens follow them
+    decode: bool = False
+    cache_len: int = 0
 
     @nn.compact
     def __call__(self, x: Array, segment_ids: Array | None = None,
@@ -331,6 +335,11 @@ class Attention(nn.Module):
 
         q = project("query", self.n_heads)
         k, v = project("key", kv_heads), project("value", kv_heads)
+        if self.decode:
+            y = self._decode(q, k, v)
+            out = _logical_param(self, "out", ("heads", "kv", "embed"),
+                                 (self.n_heads, head_dim, embed), std=self.out_std)
+            return jnp.einsum("blhd,hde->ble", y, _cast(out, self.dtype))
         split = sequence_split(self.load_balance)
         if split is not None and (segment_ids is not None or positions is not None):
             raise ConfigError(
@@ -350,6 +359,34 @@ class Attention(nn.Module):
             self, "out", ("heads", "kv", "embed"), (self.n_heads, head_dim, embed), std=self.out_std
         )
         return checkpoint_name(jnp.einsum("blhd,hde->ble", y, _cast(out, self.dtype)), "attn_out")
+
+    def _decode(self, q: Array, k: Array, v: Array) -> Array:
+        """Causal attention of this call's tokens over the cache and themselves."""
+        batch, length, kv_heads, head_dim = k.shape
+        shape = (batch, self.cache_len, kv_heads, head_dim)
+        ready = self.has_variable("cache", "key")  # False while `init` creates the cache
+        keys = self.variable("cache", "key", jnp.zeros, shape, k.dtype)
+        values = self.variable("cache", "value", jnp.zeros, shape, v.dtype)
+        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+        start = index.value
+        positions = start + jnp.arange(length)
+        if self.rotary is not None:
+            q = rotary_embedding(q, positions, self.rotary)
+            k = rotary_embedding(k, positions, self.rotary)
+        if not ready:
+            return causal_attention(q, *(jnp.repeat(t, self.n_heads // kv_heads, axis=2)
+                                         for t in (k, v)))
+        keys.value = jax.lax.dynamic_update_slice(keys.value, k, (0, start, 0, 0))
+        values.value = jax.lax.dynamic_update_slice(values.value, v, (0, start, 0, 0))
+        index.value = start + length
+        k, v = (jnp.repeat(t, self.n_heads // kv_heads, axis=2)
+                for t in (keys.value, values.value))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = scores.astype(jnp.float32) / math.sqrt(head_dim)
+        seen = jnp.arange(self.cache_len)[None, :] <= positions[:, None]  # [length, cache]
+        scores = jnp.where(seen, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
     def _attend(self, q: Array, k: Array, v: Array, split: SequenceSplit | None,
                 segment_ids: Array | None = None) -> Array:
@@ -465,6 +502,8 @@ class Block(nn.Module):
     load_balance: bool = True
     n_kv_heads: int | None = None
     norm_eps: float = _NORM_EPS
+    decode: bool = False
+    cache_len: int = 0
     moe: tuple[tuple[str, Any], ...] | None = None
 
     @nn.compact
@@ -477,7 +516,8 @@ class Block(nn.Module):
         h = Attention(
             self.n_heads, self.rotary, self.out_std, self.param_dtype, self.dtype,
             self.sparse, self.sparse_impl, self.attention_impl, self.block_q, self.block_kv,
-            self.sequence_parallel, self.load_balance, self.n_kv_heads, name="attn",
+            self.sequence_parallel, self.load_balance, self.n_kv_heads, self.decode,
+            self.cache_len, name="attn",
         )(h, segment_ids, positions)
         x = x + h.astype(x.dtype)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
@@ -558,6 +598,9 @@ class GPT(nn.Module):
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
     stream_layers: Dtype | None = None
+    #: autoregressive decoding with a key/value cache of `max_seq_len` positions (the
+    #: `cache` collection; see `jaxspeed.sampling`)
+    decode: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("norm", self.norm, NORMS)
@@ -636,6 +679,8 @@ class GPT(nn.Module):
             load_balance=self.sequence_load_balance,
             n_kv_heads=self.n_kv_heads,
             norm_eps=self.norm_eps,
+            decode=self.decode,
+            cache_len=self.max_seq_len,
             moe=self.moe,
         )
         unit_cls, kwargs = Block, block
@@ -653,7 +698,7 @@ class GPT(nn.Module):
             unit_cls = nn.remat(unit_cls, policy=policy, prevent_cse=False, static_argnums=(2,))
         scanned = nn.scan(
             unit_cls,
-            variable_axes={"params": 0, AUX_LOSS: 0, MOE_METRICS: 0},
+            variable_axes={"params": 0, AUX_LOSS: 0, MOE_METRICS: 0, "cache": 0},
             split_rngs={"params": True, GATING_RNG: True},
             in_axes=nn.broadcast,
             length=num_units,
@@ -672,6 +717,8 @@ class GPT(nn.Module):
                 std=_INIT_STD,
             )
         self.layers = self.layer_stack(self.num_units)
+        if self.decode and self.positions == "learned":
+            self.decoded = self.variable("cache", "decoded", lambda: jnp.zeros((), jnp.int32))
         self.final_norm = Norm(self.norm, self.param_dtype, self.norm_eps)
         if not self.tie_embeddings:
             self.head = _logical_param(
@@ -692,8 +739,12 @@ class GPT(nn.Module):
             )
         x = _cast(jnp.take(self.embedding, tokens, axis=0), self.dtype)
         if self.positions == "learned":
-            split = sequence_split(self.sequence_load_balance)
-            if positions is None:
+            split = None if self.decode else sequence_split(self.sequence_load_balance)
+            if positions is None and self.decode:  # after the tokens already decoded
+                positions = self.decoded.value + jnp.arange(length)
+                if not self.is_initializing():
+                    self.decoded.value += length
+            elif positions is None:
                 positions = jnp.arange(length) if split is None else split.positions(length)
             pos = jnp.take(self.pos_embedding, jnp.broadcast_to(positions, tokens.shape), axis=0)
             x = x + _cast(pos, x.dtype)
@@ -729,7 +780,7 @@ class GPT(nn.Module):
         Returns:
           float32 logits `[batch, length, vocab]`.
         """
-        split = sequence_split(self.sequence_load_balance)
+        split = None if self.decode else sequence_split(self.sequence_load_balance)
         if split is None or not split.balanced:
             x, _ = self.layers(self.embed(tokens, positions), deterministic, segment_ids,
                                positions)

@@ -1,0 +1,162 @@
+"""Autoregressive sampling from the reference GPT, with a key/value cache.
+
+`generate` prefills the cache with the prompt in one call, then decodes one token per step in
+a `lax.fori_loop`, all in one jitted program. The GPT in `decode` mode keeps each layer's keys
+and values in its `cache` collection (`max_seq_len` positions), so a step costs one token's
+work, not the whole prefix's. Under a mesh the parameters keep the plan they were trained
+with (`sample_from_engine`): ZeRO-3 shards are gathered layer by layer as in training,
+tensor-parallel weights stay split.
+
+Choosing a token: `temperature == 0` is greedy (argmax); otherwise the logits are divided by
+the temperature and, with `top_p < 1`, cut to the smallest set of tokens whose probability
+reaches `top_p` (nucleus sampling, Holtzman et al. 2020).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspeed.errors import ConfigError
+
+Array = jax.Array
+#: Logical axes of activations: decoding a handful of sequences leaves them unsplit.
+_ACTIVATION_AXES = ("batch", "length")
+
+
+def choose(logits: Array, key: Array, *, temperature: float, top_p: float) -> Array:
+    """int32 `[batch]` tokens from float `[batch, vocab]` logits (see the module docstring)."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+        cut = jnp.take_along_axis(before >= top_p, jnp.argsort(order, axis=-1), axis=-1)
+        logits = jnp.where(cut, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def generate(
+    model: nn.Module, params, prompt: Array, *, max_new_tokens: int, temperature: float = 1.0,
+    top_p: float = 1.0, key: Array | None = None,
+) -> Array:
+    """Continues `prompt` by `max_new_tokens` tokens.
+
+    Args:
+      model: a `jaxspeed.models.GPT` (any attributes; `decode` is turned on here).
+      params: its parameters (the `params` collection).
+      prompt: int `[batch, prompt_len]`, at least one token.
+      max_new_tokens: tokens to add; `prompt_len + max_new_tokens <= model.max_seq_len`.
+      temperature: 0 for greedy decoding, else the softmax temperature.
+      top_p: nucleus sampling's probability mass (1: the whole vocabulary).
+      key: PRNG key (needed unless greedy).
+
+    Returns:
+      int32 `[batch, prompt_len + max_new_tokens]`: the prompt and its continuation.
+    """
+    batch, length = prompt.shape
+    check_request(length, max_new_tokens, model.max_seq_len, temperature, top_p)
+    if key is None:
+        if temperature != 0:
+            raise ValueError("sampling with temperature > 0 needs a PRNG key")
+        key = jax.random.key(0)
+    decoder = model.clone(decode=True, remat_policy="none", stream_layers=None)
+    empty = jnp.zeros((batch, model.max_seq_len), jnp.int32)
+    shapes = jax.eval_shape(lambda: decoder.init(jax.random.key(0), empty, deterministic=True))
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+
+    def step(cache, tokens):
+        logits, updated = decoder.apply({"params": params, "cache": cache}, tokens,
+                                        deterministic=True, mutable=["cache"])
+        return updated["cache"], logits[:, -1]
+
+    pick = functools.partial(choose, temperature=temperature, top_p=top_p)
+    keys = jax.random.split(key, max_new_tokens)
+    cache, logits = step(cache, prompt.astype(jnp.int32))
+    out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(pick(logits, keys[0]))
+
+    def body(i, carry):
+        cache, out = carry
+        cache, logits = step(cache, jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1))
+        return cache, out.at[:, i].set(pick(logits, keys[i]))
+
+    _, out = jax.lax.fori_loop(1, max_new_tokens, body, (cache, out))
+    return jnp.concatenate([prompt.astype(jnp.int32), out], axis=1)
+
+
+def check_request(prompt_len: int, max_new_tokens: int, max_seq_len: int, temperature: float,
+                  top_p: float) -> None:
+    """One clear error for a request the model cannot serve."""
+    if prompt_len < 1:
+        raise ConfigError("the prompt is empty: give at least one token")
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if prompt_len + max_new_tokens > max_seq_len:
+        raise ConfigError(
+            f"prompt ({prompt_len} tokens) + --max-new-tokens ({max_new_tokens}) exceeds "
+            f"model.max_seq_len={max_seq_len}; shorten one of them")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ConfigError(
+            f"--temperature must be >= 0 (got {temperature}) and --top-p in (0, 1] (got {top_p})")
+
+
+def sample_from_engine(engine, params, prompt: Sequence[Sequence[int]], **options) -> np.ndarray:
+    """`generate` with an engine's reference GPT, its params in their planned shardings.
+
+    Runs under the engine's mesh with its logical rules for parameters; activations stay
+    unsplit (`batch` and `length` rules dropped), since a few prompts do not fill the mesh.
+    """
+    model = engine.model
+    if model is None:
+        raise ConfigError("sampling needs the reference GPT (model.type: gpt)")
+    rules = tuple(r for r in engine.plan.rules if r[0] not in _ACTIVATION_AXES)
+    run = jax.jit(functools.partial(generate, model, **options))
+    with jax.set_mesh(engine.mesh), nn.logical_axis_rules(rules):
+        return np.asarray(jax.device_get(run(params, jnp.asarray(prompt, jnp.int32))))
+
+
+class Codec:
+    """Text ↔ tokens: a Hugging Face `tokenizer.json`, or bytes (token = byte value)."""
+
+    def __init__(self, tokenizer_path: str | None = None):
+        self._tokenizer = None
+        if tokenizer_path is not None:
+            from tokenizers import Tokenizer
+
+            try:
+                self._tokenizer = Tokenizer.from_file(str(tokenizer_path))
+            except Exception as err:  # tokenizers raises its own exception types
+                raise ConfigError(f"--tokenizer {tokenizer_path}: cannot load ({err})") from err
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 if self._tokenizer is None else self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            return list(text.encode("utf-8"))
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        if self._tokenizer is None:
+            return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+        return self._tokenizer.decode([int(t) for t in tokens])
+
+
+def sample_text(engine, params, text: str, codec: Codec, **options) -> str:
+    """The continuation of `text` (without it), decoded with `codec`."""
+    vocab = engine.config.model.vocab_size
+    if codec.vocab_size > vocab:
+        raise ConfigError(
+            f"the tokenizer has {codec.vocab_size} tokens but model.vocab_size={vocab}")
+    prompt = codec.encode(text)
+    tokens = sample_from_engine(engine, params, [prompt], **options)
+    return codec.decode(tokens[0, len(prompt):])
+

@@ -1,0 +1,91 @@
+"""Sampling: greedy decoding with the key/value cache equals argmax decoding without it, token
+for token; nucleus sampling; the engine's plan; bad requests."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspeed as js
+from jaxspeed.errors import ConfigError
+from jaxspeed.models import GPT
+from jaxspeed.sampling import Codec, choose, generate, sample_from_engine, sample_text
+
+PROMPT_LEN, NEW = 5, 11
+
+
+@pytest.mark.parametrize("arch", [
+    dict(positions="rotary", n_kv_heads=2, mlp="swiglu", tie_embeddings=False),
+    dict(positions="learned"),
+], ids=["llama", "learned"])
+def test_greedy_with_cache_equals_argmax_without(arch):
+    model = GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16,
+                **arch)
+    prompt = jax.random.randint(jax.random.key(0), (2, PROMPT_LEN), 0, 64)
+    params = nn.unbox(model.init(jax.random.key(1), prompt))["params"]
+    got = jax.jit(lambda p, x: generate(model, p, x, max_new_tokens=NEW, temperature=0))(
+        params, prompt)
+    want = prompt
+    for _ in range(NEW):  # the whole prefix again at every step
+        logits = model.apply({"params": params}, want)
+        want = jnp.concatenate([want, jnp.argmax(logits[:, -1], -1)[:, None]], axis=1)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_top_p_keeps_the_most_likely_tokens_only():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    keys = jax.random.split(jax.random.key(0), 400)
+    drawn = jax.vmap(lambda k: choose(logits, k, temperature=1.0, top_p=0.7))(keys)
+    assert set(np.unique(drawn).tolist()) == {0, 1}  # 0.5 + 0.3 reach 0.7; 0.15 never drawn
+    greedy = choose(logits, keys[0], temperature=0, top_p=0.1)
+    assert int(greedy[0]) == 0
+
+
+def test_engine_samples_with_its_plan_and_the_byte_codec():
+    cfg = js.load_config(None, overrides=[
+        "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",
+        "model.max_seq_len=32", "data.seq_len=32", "mesh.data=4", "mesh.tensor=2",
+        "zero_optimization.stage=3", "train_batch_size=8"])
+    engine = js.initialize(cfg)
+    state = engine.init(jax.random.key(0))
+    text = sample_text(engine, state.params, "def ", Codec(), max_new_tokens=8,
+                       temperature=0.8, top_p=0.9, key=jax.random.key(1))
+    assert isinstance(text, str) and len(text.encode("utf-8", errors="replace")) > 0
+    params = jax.device_get(state.params)
+    greedy = sample_from_engine(engine, state.params, [[100, 101, 102]], max_new_tokens=6,
+                                temperature=0)
+    plain = np.asarray(generate(engine.model, params, jnp.array([[100, 101, 102]]),
+                                max_new_tokens=6, temperature=0))
+    np.testing.assert_array_equal(greedy, plain)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(max_new_tokens=30), "max_seq_len"),
+    (dict(max_new_tokens=0), "max-new-tokens"),
+    (dict(max_new_tokens=2, top_p=0.0), "top-p"),
+])
+def test_bad_requests_are_config_errors(options, match):
+    model = GPT(vocab_size=64, d_model=32, n_layers=1, n_heads=4, d_ff=64, max_seq_len=16)
+    prompt = jnp.zeros((1, 4), jnp.int32)
+    params = nn.unbox(model.init(jax.random.key(1), prompt))["params"]
+    with pytest.raises(ConfigError, match=match):
+        generate(model, params, prompt, key=jax.random.key(0), **options)
+
+
+def test_cli_samples_a_train_checkpoint(tmp_path, capsys):
+    from jaxspeed.cli import main
+
+    cfg = js.load_config(None, overrides=[
+        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
+        "model.max_seq_len=16", "data.seq_len=16", "mesh.data=8", "train_batch_size=8"])
+    engine = js.initialize(cfg)
+    engine.save(engine.init(jax.random.key(0)), directory=tmp_path)
+    engine.checkpointer(tmp_path).wait()
+    args = ["sample", str(tmp_path), "--prompt", "def", "--max-new-tokens", "5"]
+    assert main([*args, "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert greedy.startswith("def") and main([*args, "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == greedy  # greedy decoding is deterministic
+    assert main([*args[:-1], "20"]) == 2  # 3 + 20 tokens > max_seq_len 16
+    assert "max_seq_len" in capsys.readouterr().err
