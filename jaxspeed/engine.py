@@ -338,18 +338,20 @@ def onebit_axes(config: Config, mesh: Mesh) -> tuple[str, ...] | None:
     return tuple(axis for axis in DATA_PARALLEL_AXES if axis in mesh.axis_names)
 
 
+def _refuse(combinations, parallelism: str, fix: str) -> None:
+    """One error for the first `(config key, used)` pair in use with `parallelism`."""
+    for name, used in combinations:
+        if used:
+            raise ConfigError(
+                f"{name} with {parallelism} is not available in this version of jaxspeed; {fix}")
+
+
 def _check_supported(config: Config) -> None:
     """Combinations whose config keys exist but which do not work together: refuse, never fake."""
     if config.mesh.pipe > 1:
-        for name, used in (
-            ("model.moe", config.model.moe is not None),
-            ("optimizer.type=OneBitAdam", config.optimizer.type == "OneBitAdam"),
-        ):
-            if used:
-                raise ConfigError(
-                    f"{name} with pipeline parallelism (mesh.pipe={config.mesh.pipe}) is not "
-                    f"available in this version of jaxspeed; use mesh.pipe=1"
-                )
+        _refuse((("model.moe", config.model.moe is not None),
+                 ("optimizer.type=OneBitAdam", config.optimizer.type == "OneBitAdam")),
+                f"pipeline parallelism (mesh.pipe={config.mesh.pipe})", "use mesh.pipe=1")
 
 
 def _check_sequence(config: Config, mesh: Mesh, *, reference_model: bool) -> None:
@@ -357,16 +359,10 @@ def _check_sequence(config: Config, mesh: Mesh, *, reference_model: bool) -> Non
     shards = mesh.shape.get(SEQUENCE, 1)
     if shards == 1:
         return
-    for name, used in (
-        (f"mesh.pipe={mesh.shape.get(PIPE, 1)}", mesh.shape.get(PIPE, 1) > 1),
-        ("model.moe", config.model.moe is not None),
-        ("optimizer.type=OneBitAdam", config.optimizer.type == "OneBitAdam"),
-    ):
-        if used:
-            raise ConfigError(
-                f"{name} with sequence parallelism (mesh.sequence={shards}) is not available "
-                f"in this version of jaxspeed; use mesh.sequence=1"
-            )
+    _refuse(((f"mesh.pipe={mesh.shape.get(PIPE, 1)}", mesh.shape.get(PIPE, 1) > 1),
+             ("model.moe", config.model.moe is not None),
+             ("optimizer.type=OneBitAdam", config.optimizer.type == "OneBitAdam")),
+            f"sequence parallelism (mesh.sequence={shards})", "use mesh.sequence=1")
     rows = np.moveaxis(mesh.devices, mesh.axis_names.index(SEQUENCE), -1).reshape(-1, shards)
     if any(len({d.process_index for d in row}) > 1 for row in rows):
         raise ConfigError(

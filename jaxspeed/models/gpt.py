@@ -836,25 +836,30 @@ ATTENTION_KEYS = {
 }
 
 
-def _attention_options(model_cfg: Any) -> dict[str, Any]:
-    """`model.attention: {impl, block_q, block_kv}` → the `GPT` attention attributes."""
-    block = getattr(model_cfg, "attention", None)
+def _section_options(model_cfg: Any, section: str, keys: dict[str, str],
+                     example: str) -> dict[str, Any]:
+    """`model.<section>: {key: value}` (a mapping or a validated pydantic section) → the
+    `GPT` attributes `keys` maps the keys to."""
+    block = getattr(model_cfg, section, None)
     if block is None:
         return {}
-    if hasattr(block, "model_dump"):  # a validated `jaxspeed.config.AttentionConfig`
+    if hasattr(block, "model_dump"):  # a validated `jaxspeed.config` section
         block = block.model_dump()
     if not isinstance(block, dict):
-        raise ConfigError(
-            f"model.attention: expected a mapping such as {{impl: blocked, block_q: 512, "
-            f"block_kv: 512}}, got {block!r}"
-        )
+        raise ConfigError(f"model.{section}: expected a mapping such as {example}, got {block!r}")
     for key in block:
-        if key not in ATTENTION_KEYS:
+        if key not in keys:
             raise ConfigError(
-                f"model.attention.{key}: unknown key{did_you_mean(key, tuple(ATTENTION_KEYS))}; "
-                f"accepted keys are {list(ATTENTION_KEYS)}"
+                f"model.{section}.{key}: unknown key{did_you_mean(key, tuple(keys))}; "
+                f"accepted keys are {list(keys)}"
             )
-    return {ATTENTION_KEYS[key]: value for key, value in block.items()}
+    return {keys[key]: value for key, value in block.items()}
+
+
+def _attention_options(model_cfg: Any) -> dict[str, Any]:
+    """`model.attention: {impl, block_q, block_kv}` → the `GPT` attention attributes."""
+    return _section_options(model_cfg, "attention", ATTENTION_KEYS,
+                            "{impl: blocked, block_q: 512, block_kv: 512}")
 
 
 #: `model.sequence_parallel` keys → `GPT` attributes.
@@ -863,24 +868,8 @@ SEQUENCE_PARALLEL_KEYS = {"impl": "sequence_parallel", "load_balance": "sequence
 
 def _sequence_parallel_options(model_cfg: Any) -> dict[str, Any]:
     """`model.sequence_parallel: {impl, load_balance}` → the `GPT` sequence attributes."""
-    block = getattr(model_cfg, "sequence_parallel", None)
-    if block is None:
-        return {}
-    if hasattr(block, "model_dump"):  # a validated `jaxspeed.config.SequenceParallelConfig`
-        block = block.model_dump()
-    if not isinstance(block, dict):
-        raise ConfigError(
-            f"model.sequence_parallel: expected a mapping such as {{impl: ring, load_balance: "
-            f"true}}, got {block!r}"
-        )
-    for key in block:
-        if key not in SEQUENCE_PARALLEL_KEYS:
-            raise ConfigError(
-                f"model.sequence_parallel.{key}: unknown key"
-                f"{did_you_mean(key, tuple(SEQUENCE_PARALLEL_KEYS))}; accepted keys are "
-                f"{list(SEQUENCE_PARALLEL_KEYS)}"
-            )
-    return {SEQUENCE_PARALLEL_KEYS[key]: value for key, value in block.items()}
+    return _section_options(model_cfg, "sequence_parallel", SEQUENCE_PARALLEL_KEYS,
+                            "{impl: ring, load_balance: true}")
 
 
 #: `model.moe` keys besides `every_n_layers`: the `jaxspeed.moe.MoE` options a config may set.
