@@ -1,4 +1,4 @@
-"""`jaxspeed train | plan | bench | export | launch`: thin shells over the library.
+"""`jaxspeed train | plan | bench | export | import-hf | sample | tokenize | tokenizer | launch`: thin shells over the library.
 
 JAX is imported only after the flags are read, so `--cpu-devices` can still set the number of
 emulated CPU devices. Errors caused by input are printed as one line, with exit code 2.
@@ -62,8 +62,63 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="write a checkpoint's params, consolidated, for one device (zero_to_fp32)"
     )
     export.add_argument("checkpoint", help="checkpoint directory, e.g. runs/x/checkpoints")
-    export.add_argument("--out", required=True, help="output file (.msgpack, Flax serialization)")
+    export.add_argument(
+        "--out", required=True,
+        help="output file (.msgpack, Flax serialization), or folder with --format hf",
+    )
     export.add_argument("--step", type=int, default=None, help="default: the newest complete one")
+    export.add_argument(
+        "--format", choices=("msgpack", "hf"), default="msgpack",
+        help="msgpack: Flax serialization (default); hf: a Hugging Face Llama folder "
+        "(config.json + safetensors) for transformers' from_pretrained",
+    )
+    export.add_argument(
+        "--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+        help="with --format hf: the saved dtype (default: the checkpoint's)",
+    )
+
+    import_hf = sub.add_parser(
+        "import-hf", help="convert a Hugging Face Llama folder to a checkpoint (checkpoint.load_from)"
+    )
+    import_hf.add_argument("folder", help="config.json + *.safetensors (sharded with an index, or not)")
+    import_hf.add_argument("--out", required=True, help="the checkpoint folder to write")
+    import_hf.add_argument(
+        "--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+        help="cast the weights (default: keep the files' dtype)",
+    )
+
+    tokenize = sub.add_parser(
+        "tokenize", help="tokenize local .txt/.jsonl/.parquet files into one token file"
+    )
+    tokenize.add_argument("files", nargs="+", help="text files or folders")
+    tokenize.add_argument("--tokenizer", required=True, help="tokenizer.json (or its folder)")
+    tokenize.add_argument("--out", required=True, help="token file to write (.npy, or raw .bin)")
+    tokenize.add_argument("--text-key", default="text", help="jsonl field / parquet column (default text)")
+    tokenize.add_argument("--eos-id", type=int, default=None, help="default: the tokenizer's EOS token")
+    tokenize.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    tokenizer = sub.add_parser("tokenizer", help="tokenizer tools")
+    tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    bpe = tokenizer_sub.add_parser("train", help="train a byte-level BPE on local text files")
+    bpe.add_argument("files", nargs="+", help=".txt/.jsonl/.parquet files or folders")
+    bpe.add_argument("--vocab-size", type=int, required=True, metavar="N", help="vocabulary size")
+    bpe.add_argument("--out", required=True, metavar="DIR", help="folder for tokenizer.json")
+    bpe.add_argument("--text-key", default="text", help="jsonl field / parquet column (default text)")
+
+    sample = sub.add_parser(
+        "sample", help="continue a prompt with a trained checkpoint (key/value cache)"
+    )
+    sample.add_argument("checkpoint", help="checkpoint directory, e.g. runs/x/checkpoints")
+    sample.add_argument("--prompt", required=True, help="the text to continue")
+    sample.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    sample.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    sample.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--tokenizer", default=None,
+                        help="tokenizer.json (default: bytes, token = byte value)")
+    sample.add_argument("--step", type=int, default=None, help="default: the newest complete one")
+    sample.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                        help="run on N emulated CPU devices")
 
     launch = sub.add_parser(
         "launch", help="run N processes of a command on this machine, wired for jax.distributed",
@@ -108,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                 distributed.initialize()  # before any JAX computation
         handlers = {
             "train": _train, "plan": _plan, "bench": _bench, "launch": _launch, "export": _export,
+            "import-hf": _import_hf, "sample": _sample,
+            "tokenize": _tokenize, "tokenizer": _tokenizer,
         }
         return handlers[args.command](args)
     except JaxspeedError as err:
@@ -169,10 +226,45 @@ def _bench(args) -> int:
 
 
 def _export(args) -> int:
+    from jaxspeed.errors import JaxspeedError
     from jaxspeed.export import export_params
 
-    out = export_params(args.checkpoint, args.out, step=args.step)
+    if args.format == "hf":
+        from jaxspeed.hf import export_hf
+
+        out = export_hf(args.checkpoint, args.out, step=args.step, dtype=args.dtype)
+    elif args.dtype is not None:
+        raise JaxspeedError("--dtype is only for --format hf (msgpack keeps the checkpoint's dtype)")
+    else:
+        out = export_params(args.checkpoint, args.out, step=args.step)
     print(f"wrote {out}")
+    return 0
+
+
+def _import_hf(args) -> int:
+    from jaxspeed.hf import import_hf
+
+    out = import_hf(args.folder, args.out, dtype=args.dtype)
+    print(f"wrote {out}")
+    return 0
+
+
+def _tokenize(args) -> int:
+    from jaxspeed.text_tokens import tokenize_files
+
+    result = tokenize_files(
+        args.files, tokenizer_path=args.tokenizer, out=args.out, text_key=args.text_key,
+        eos_id=args.eos_id, progress=not args.no_progress and sys.stderr.isatty(),
+    )
+    print(json.dumps(result))
+    return 0
+
+
+def _tokenizer(args) -> int:
+    from jaxspeed.text_tokens import train_bpe
+
+    path = train_bpe(args.files, vocab_size=args.vocab_size, out_dir=args.out, text_key=args.text_key)
+    print(f"wrote {path}")
     return 0
 
 
@@ -187,5 +279,22 @@ def _launch(args) -> int:
     )
 
 
+def _sample(args) -> int:
+    import jax
+
+    from jaxspeed.export import load_trained
+    from jaxspeed.sampling import Codec, sample_text
+
+    codec = Codec(args.tokenizer)
+    engine, state = load_trained(args.checkpoint, step=args.step)
+    text = sample_text(
+        engine, state.params, args.prompt, codec, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, key=jax.random.key(args.seed),
+    )
+    print(args.prompt + text)
+    return 0
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
+

@@ -1,12 +1,14 @@
 """The training loop behind `jaxspeed train`: data, steps, evaluation, metrics, checkpoints.
 
 A run resumes from the newest complete checkpoint in its checkpoint directory; the data order
-and RNG continue exactly as if it had never stopped (batches are a function of the step).
+and RNG continue exactly as if it had never stopped (byte data: batches are a function of the
+step; token-file data: the Grain iterator's state is saved in the checkpoint's JSON record).
 SIGTERM or SIGINT (preemption, Ctrl-C) finishes the current step, saves, and stops.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import signal
 import sys
@@ -25,6 +27,7 @@ from jaxspeed.data import TokenDataset
 from jaxspeed.engine import Engine, initialize
 from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.fit import DoesNotFit, device_memory, engine_verdict
+from jaxspeed.grain_data import GrainTokenDataset, make_dataset
 from jaxspeed.metrics_log import MetricsLog
 from jaxspeed.profiler import mfu, peak_flops
 
@@ -69,6 +72,23 @@ def _local_batch(engine: Engine, dataset: TokenDataset, step: int, *, split: str
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
+
+
+def _train_batches(engine: Engine, dataset, start: int, saved_state: dict | None):
+    """This process's train batches from step `start`: a Grain iterator (restored from its
+    saved state) for token-file data, else batches computed from the step."""
+    if isinstance(dataset, GrainTokenDataset):
+        state = saved_state if saved_state is not None else {"next_index": start}
+        return dataset.iterator(global_batch=engine.batch_sizes.train_batch_size, state=state)
+    return (_local_batch(engine, dataset, step) for step in itertools.count(start))
+
+
+def _data_meta(batches, done: int) -> dict[str, Any]:
+    """The data position saved with a checkpoint (and the Grain iterator state, when one)."""
+    meta: dict[str, Any] = {"data_position": done}
+    if hasattr(batches, "get_state"):
+        meta["data_state"] = batches.get_state()
+    return meta
 
 
 @contextmanager
@@ -159,7 +179,8 @@ def train(
 
     Writes `output_dir/metrics.jsonl` (and TensorBoard events when `logging.tensorboard`) and
     checkpoints in `checkpoint.dir` (default `output_dir/checkpoints`), resuming from the newest
-    complete one. Returns the last logged record.
+    complete one (or, when there is none, starting from `checkpoint.load_from`'s params at step
+    0). Returns the last logged record.
 
     When the device memory is known (`hardware.device_memory`, or reported by the
     accelerator), a plan whose compiled step does not fit is refused with `DoesNotFit`
@@ -168,16 +189,23 @@ def train(
     steps = config.steps if steps is None else steps
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
-    dataset = TokenDataset.from_config(config.data, seed=config.seed)
+    dataset = make_dataset(config, progress=sys.stderr.isatty() if progress is None else progress)
     _check_vocab(config, dataset)
     engine = initialize(config)
     _check_fits(engine, force=force)
     ckpt = engine.checkpointer(config.checkpoint.dir or Path(output_dir) / "checkpoints")
+    saved_meta: dict[str, Any] = {}
     if ckpt.latest_step() is not None:
         state = engine.restore(directory=ckpt.directory)
+        saved_meta = ckpt.read_meta(int(jax.device_get(state.step)))
+    elif config.checkpoint.load_from is not None:
+        from jaxspeed.params_checkpoint import start_from
+
+        state = start_from(engine, config.checkpoint.load_from, jax.random.key(config.seed))
     else:
         state = engine.init(jax.random.key(config.seed))
     start = int(jax.device_get(state.step))
+    batches = _train_batches(engine, dataset, start, saved_meta.get("data_state"))
     is_main = jax.process_index() == 0
     log = MetricsLog(output_dir, tensorboard=config.logging.tensorboard, enabled=is_main)
     every = max(1, config.logging.every_n_steps)
@@ -191,7 +219,7 @@ def train(
     try:
         with _stop_on_signals() as stop:
             for step in range(start, steps):
-                state, metrics = engine.train_step(state, _local_batch(engine, dataset, step))
+                state, metrics = engine.train_step(state, next(batches))
                 bar.update(1)
                 done = step + 1
                 logging_now = done % every == 0 or done == steps
@@ -212,12 +240,13 @@ def train(
                     log.write(record)
                     bar.set_postfix(loss=f"{values['loss']:.4f}")
                 if saving_now or final:
-                    engine.save(state, directory=ckpt.directory, meta={"data_position": done})
+                    engine.save(state, directory=ckpt.directory, meta=_data_meta(batches, done))
                 if logging_now:
                     last_time, last_step = time.perf_counter(), done
                 if stopping:
                     raise TrainingInterrupted(stop["signum"] or signal.SIGTERM, done, ckpt.directory)
     finally:
+        batches.close()  # a Grain iterator stops its read threads (a generator just ends)
         bar.close()
         log.close()
         ckpt.wait()

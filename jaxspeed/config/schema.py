@@ -301,14 +301,36 @@ class ModelConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
-    """Token data: the standard library's source bytes, or a local file/folder at `path`."""
+def _one_or_many(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
 
-    source: Literal["stdlib", "path"] = "stdlib"
+
+class DataConfig(_Section):
+    """Token data: the standard library's source bytes, or a local file/folder at `path`;
+    or (through Grain) pre-tokenized token files (`source: tokens`) or local text tokenized
+    with a `tokenizer.json` (`source: text`), both read from `files` (or `path`)."""
+
+    source: Literal["stdlib", "path", "tokens", "text"] = "stdlib"
     path: str | None = None
     seq_len: _PositiveInt = 256
     eval_fraction: Annotated[float, Field(strict=True, gt=0, lt=1)] = 0.05
     max_bytes: _PositiveInt | None = 16_000_000
+    #: tokens: `.npy` / `.bin` token files; text: `.txt` / `.jsonl` / `.parquet` (folders expand)
+    files: Annotated[list[str], BeforeValidator(_one_or_many)] | None = None
+    #: element type of raw `.bin` token files
+    dtype: Literal["uint16", "uint32"] | None = None
+    #: `tokenizer.json` (or its folder) for `source: text`
+    tokenizer: str | None = None
+    #: the text field of `.jsonl` records / the `.parquet` column
+    text_key: str = "text"
+    #: also yield per-token `segment_ids` and `positions` (documents split at EOS)
+    packing: _Bool = False
+    #: the EOS token joining documents (text: default the tokenizer's `<|endoftext|>` or `</s>`)
+    eos_id: _NonNegativeInt | None = None
+    #: where `source: text` caches its token file (default `~/.cache/jaxspeed/tokens`)
+    cache_dir: str | None = None
+    #: Grain read threads that prefetch batches
+    workers: _PositiveInt = 2
 
     @model_validator(mode="before")
     @classmethod
@@ -322,6 +344,18 @@ class DataConfig(_Section):
     def _path_given(self) -> DataConfig:
         if self.source == "path" and not self.path:
             raise ValueError("source is 'path' but no path is given")
+        grain_source = self.source in ("tokens", "text")
+        if grain_source and not (self.files or self.path):
+            raise ValueError(f"source is {self.source!r} but neither files nor path is given")
+        if self.source == "text" and not self.tokenizer:
+            raise ValueError("source is 'text' but no tokenizer (a tokenizer.json) is given")
+        if self.packing and not grain_source:
+            raise ValueError(f"packing needs source 'tokens' or 'text', got {self.source!r}")
+        if self.packing and self.source == "tokens" and self.eos_id is None:
+            raise ValueError("packing with source 'tokens' needs eos_id (the token joining documents)")
+        raw = [f for f in (self.files or [self.path or ""]) if f.endswith(".bin")]
+        if self.source == "tokens" and raw and self.dtype is None:
+            raise ValueError(f"raw token file {raw[0]!r} needs dtype: uint16 or uint32")
         return self
 
 
@@ -332,6 +366,9 @@ class CheckpointConfig(_Section):
     every_n_steps: _NonNegativeInt = 0
     keep: _PositiveInt = 3
     async_: _Bool = Field(True, alias="async")
+    #: a params checkpoint (`jaxspeed import-hf`) to start from at step 0 with a fresh
+    #: optimizer, when `dir` has no checkpoint yet
+    load_from: str | None = None
 
 
 class LoggingConfig(_Section):

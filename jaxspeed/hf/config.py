@@ -1,0 +1,133 @@
+"""Hugging Face Llama `config.json` <-> jaxspeed's `model:` section.
+
+Both layouts transformers has written are read: transformers 4 keeps `rope_theta` and
+`rope_scaling` at the top level, transformers 5 keeps them in `rope_parameters` (with
+`rope_type`). A config the reference GPT cannot express exactly is refused with one error that
+names the field, never approximated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxspeed.checkpoint import CheckpointError
+
+#: Keys of the `model:` section an imported checkpoint records (what the HF config sets).
+MODEL_KEYS = (
+    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
+    "norm", "mlp", "positions", "tie_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps",
+)
+
+#: HF name -> jaxspeed name of the plain integer sizes.
+_SIZES = {
+    "vocab_size": "vocab_size", "hidden_size": "d_model", "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads", "intermediate_size": "d_ff",
+    "max_position_embeddings": "max_seq_len",
+}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# LlamaConfig's defaults for keys a config.json may leave out.
+_HF_DEFAULTS = {"rope_theta": 10_000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+def _refuse(source: str, key: str, value: Any, wanted: str) -> CheckpointError:
+    return CheckpointError(f"{source}: {key}={value!r} is not Llama-like; jaxspeed needs {wanted}")
+
+
+def _rope(config: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """`(rope_theta, rope_scaling or None)` from either transformers layout."""
+    if isinstance(config.get("rope_parameters"), dict):  # transformers 5
+        key, rope = "rope_parameters", dict(config["rope_parameters"])
+        theta = rope.pop("rope_theta", config.get("rope_theta", _HF_DEFAULTS["rope_theta"]))
+    else:  # transformers 4
+        key, rope = "rope_scaling", dict(config.get("rope_scaling") or {})
+        theta = config.get("rope_theta", _HF_DEFAULTS["rope_theta"])
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), None
+    if kind != "llama3":
+        raise _refuse(source, f"{key}.rope_type", kind, "'default' or 'llama3'")
+    missing = [k for k in _LLAMA3_KEYS if k not in rope]
+    if missing:
+        raise CheckpointError(f"{source}: {key} has rope_type 'llama3' but no {missing[0]}")
+    scaling = {"rope_type": "llama3", **{k: rope[k] for k in _LLAMA3_KEYS}}
+    scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    return float(theta), scaling
+
+
+def model_from_hf(config: dict[str, Any], *, source: str = "config.json") -> dict[str, Any]:
+    """jaxspeed `model:` keys (`MODEL_KEYS`) for a Hugging Face Llama config.
+
+    Raises:
+      CheckpointError: naming the first field that is missing or not Llama-like.
+    """
+    model_type = config.get("model_type", "llama")
+    if model_type != "llama":
+        raise _refuse(source, "model_type", model_type, "'llama'")
+    model: dict[str, Any] = {}
+    for hf_key, key in _SIZES.items():
+        value = config.get(hf_key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CheckpointError(f"{source}: {hf_key} must be a positive integer, got {value!r}")
+        model[key] = value
+    model["n_kv_heads"] = int(config.get("num_key_value_heads") or model["n_heads"])
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim * model["n_heads"] != model["d_model"]:
+        raise _refuse(
+            source, "head_dim", head_dim,
+            f"hidden_size / num_attention_heads = {model['d_model'] / model['n_heads']:g}",
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise _refuse(source, "hidden_act", config["hidden_act"], "'silu' (mlp: swiglu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key, False):
+            raise _refuse(source, key, config[key], "false (the reference GPT has no biases)")
+    model["rope_theta"], model["rope_scaling"] = _rope(config, source)
+    model["rms_norm_eps"] = float(config.get("rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"]))
+    model["tie_embeddings"] = bool(config.get("tie_word_embeddings", _HF_DEFAULTS["tie_word_embeddings"]))
+    model.update(norm="rmsnorm", mlp="swiglu", positions="rotary")
+    return {key: model[key] for key in MODEL_KEYS}
+
+
+def check_exportable(model: dict[str, Any]) -> None:
+    """Refuses a `model:` section that a Hugging Face Llama cannot express, naming the key."""
+    wanted = {"norm": "rmsnorm", "mlp": "swiglu", "positions": "rotary"}
+    for key, value in wanted.items():
+        if model.get(key) != value:
+            raise CheckpointError(
+                f"model.{key}={model.get(key)!r}: a Hugging Face Llama needs {key}: {value}"
+            )
+    for key in ("moe", "sparse_attention"):
+        if model.get(key):
+            raise CheckpointError(f"model.{key} is set: a Hugging Face Llama has no {key}")
+
+
+def hf_from_model(
+    model: dict[str, Any], *, dtype: str, base: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A Llama `config.json` dict for a `model:` section.
+
+    Args:
+      model: the `model:` keys (`MODEL_KEYS`; others are ignored).
+      dtype: the saved weights' dtype name (`float32`, `bfloat16`, ...).
+      base: the config an import read: its other keys (token ids, ...) and its rope layout are
+        kept, so an imported-then-exported folder has the same config.json. Default: a
+        transformers-4 layout (rope keys at the top level), which transformers 5 also reads.
+    """
+    check_exportable(model)
+    config = dict(base or {"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    config.update({hf_key: model[key] for hf_key, key in _SIZES.items()})
+    n_kv = model.get("n_kv_heads") or model["n_heads"]
+    config.update(
+        num_key_value_heads=n_kv, head_dim=model["d_model"] // model["n_heads"],
+        hidden_act="silu", attention_bias=False, mlp_bias=False,
+        rms_norm_eps=model["rms_norm_eps"], tie_word_embeddings=model["tie_embeddings"],
+    )
+    scaling = model.get("rope_scaling")
+    if "rope_parameters" in config:  # transformers 5 layout
+        rope = {"rope_type": "default"} if scaling is None else dict(scaling)
+        config["rope_parameters"] = {**rope, "rope_theta": model["rope_theta"]}
+    else:
+        config["rope_theta"] = model["rope_theta"]
+        config["rope_scaling"] = None if scaling is None else dict(scaling)
+    config["dtype" if "dtype" in config else "torch_dtype"] = dtype
+    return config

@@ -1,0 +1,155 @@
+"""Reading and writing a Hugging Face model folder: `config.json` and safetensors files.
+
+A folder holds either one `model.safetensors` or shards listed by
+`model.safetensors.index.json` (`{"metadata": {...}, "weight_map": {name: file}}`). JSON is
+written as transformers writes it (sorted keys, indent 2, a final newline), and safetensors
+files through the `safetensors` package, which orders tensors by dtype and name: the same
+tensors with the same metadata give the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from jaxspeed.checkpoint import CheckpointError
+
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+#: HF's metadata on every file it saves from PyTorch (`from_pretrained` checks `format`).
+FILE_METADATA = {"format": "pt"}
+# safetensors dtypes numpy has; the others (BF16, F8_*) are read through its Flax backend.
+_NUMPY_DTYPES = {"F64", "F32", "F16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL"}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def write_json(path: Path, value: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def tensor_files(folder: Path) -> tuple[dict[str, Path], dict[str, Any] | None]:
+    """`({tensor name: file}, index metadata or None)` of a folder, from its index if any."""
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a directory")
+    if (folder / INDEX).is_file():
+        index = read_json(folder / INDEX)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{folder / INDEX}: no weight_map")
+        return {name: folder / file for name, file in weight_map.items()}, index.get("metadata")
+    files = [folder / SINGLE] if (folder / SINGLE).is_file() else sorted(folder.glob("*.safetensors"))
+    if len(files) != 1:
+        raise CheckpointError(
+            f"{folder}: expected {SINGLE}, or shards listed in {INDEX}; found "
+            f"{[f.name for f in files] or 'no .safetensors file'}"
+        )
+    with _open(files[0]) as f:
+        return {name: files[0] for name in f.offset_keys()}, None
+
+
+def _open(path: Path, framework: str = "np"):
+    try:
+        return safetensors.safe_open(str(path), framework=framework)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist") from None
+    except Exception as err:  # noqa: BLE001 - SafetensorError, OSError: a bad file either way
+        raise CheckpointError(f"{path} is not a valid safetensors file: {err}") from err
+
+
+@contextmanager
+def tensor_reader(files: Mapping[str, Path]) -> Iterator:
+    """A function `name -> numpy array` over the folder's files, each opened once.
+
+    bfloat16 and fp8 tensors, which numpy lacks, come through the Flax backend onto the host
+    CPU (as `ml_dtypes` arrays).
+    """
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        cpu = jax.local_devices(backend="cpu")[0]
+
+        def read(name: str) -> np.ndarray:
+            path = files[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(_open(path))
+            f = handles[path]
+            try:
+                if f.get_slice(name).get_dtype() in _NUMPY_DTYPES:
+                    return f.get_tensor(name)
+                if (path, "flax") not in handles:
+                    handles[path, "flax"] = stack.enter_context(_open(path, "flax"))
+                with jax.default_device(cpu):
+                    return np.asarray(handles[path, "flax"].get_tensor(name))
+            except Exception as err:  # noqa: BLE001 - truncated or malformed tensor data
+                raise CheckpointError(f"{path}: cannot read tensor {name}: {err}") from err
+
+        yield read
+
+
+def file_metadata(path: Path) -> dict[str, str] | None:
+    with _open(path) as f:
+        return f.metadata()
+
+
+def write_tensors(
+    folder: Path,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    files: Mapping[str, list[str]] | None = None,
+    metadata: Mapping[str, Mapping[str, str] | None] | None = None,
+    index_metadata: Mapping[str, Any] | None = None,
+) -> list[Path]:
+    """Writes tensors as one `model.safetensors`, or as the shards `files` lists (with index).
+
+    Args:
+      folder: where to write (exists).
+      tensors: name -> contiguous numpy array.
+      files: file name -> tensor names (a layout read by an import); default one file.
+      metadata: file name -> its safetensors metadata; default `FILE_METADATA`.
+      index_metadata: the index's `metadata` keys to keep; `total_size` and
+        `total_parameters` are recomputed.
+
+    Returns:
+      The files written.
+    """
+    files = dict(files or {SINGLE: sorted(tensors)})
+    metadata = metadata or {}
+    written = []
+    for file, names in files.items():
+        path = folder / file
+        tmp = path.with_name(path.name + ".tmp")
+        safetensors.numpy.save_file(
+            {name: tensors[name] for name in names}, str(tmp),
+            metadata=dict(metadata.get(file, FILE_METADATA) or {}) or None,
+        )
+        tmp.replace(path)
+        written.append(path)
+    if len(files) > 1 or files.keys() != {SINGLE}:
+        index = {k: v for k, v in (index_metadata or {}).items()}
+        index["total_size"] = int(sum(t.nbytes for t in tensors.values()))
+        if "total_parameters" in index or index_metadata is None:
+            index["total_parameters"] = int(sum(t.size for t in tensors.values()))
+        weight_map = {name: file for file, names in files.items() for name in names}
+        write_json(folder / INDEX, {"metadata": index, "weight_map": dict(sorted(weight_map.items()))})
+        written.append(folder / INDEX)
+    return written
