@@ -117,23 +117,26 @@ def sample_from_engine(engine, params, prompt: Sequence[Sequence[int]], **option
     if model is None:
         raise ConfigError("sampling needs the reference GPT (model.type: gpt)")
     rules = tuple(r for r in engine.plan.rules if r[0] not in _ACTIVATION_AXES)
-    run = jax.jit(functools.partial(generate, model, **options))
     with jax.set_mesh(engine.mesh), nn.logical_axis_rules(rules):
-        return np.asarray(jax.device_get(run(params, jnp.asarray(prompt, jnp.int32))))
+        tokens = _generate(model, params, jnp.asarray(prompt, jnp.int32), **options)
+        return np.asarray(jax.device_get(tokens))
+
+
+#: `generate` compiled once per model and options (training samples every N steps).
+_generate = jax.jit(generate, static_argnums=0,
+                    static_argnames=("max_new_tokens", "temperature", "top_p"))
 
 
 class Codec:
-    """Text ↔ tokens: a Hugging Face `tokenizer.json`, or bytes (token = byte value)."""
+    """Text ↔ tokens: a Hugging Face `tokenizer.json` (or its folder), or bytes (token =
+    byte value)."""
 
     def __init__(self, tokenizer_path: str | None = None):
         self._tokenizer = None
         if tokenizer_path is not None:
-            from tokenizers import Tokenizer
+            from jaxspeed.text_tokens import load_tokenizer
 
-            try:
-                self._tokenizer = Tokenizer.from_file(str(tokenizer_path))
-            except Exception as err:  # tokenizers raises its own exception types
-                raise ConfigError(f"--tokenizer {tokenizer_path}: cannot load ({err})") from err
+            self._tokenizer = load_tokenizer(str(tokenizer_path))
 
     @property
     def vocab_size(self) -> int:

@@ -91,6 +91,19 @@ def _data_meta(batches, done: int) -> dict[str, Any]:
     return meta
 
 
+def _sampler(engine: Engine):
+    """`state -> text`: a greedy continuation of `logging.sample_prompt`."""
+    from jaxspeed.sampling import Codec, sample_text
+
+    config = engine.config
+    codec = Codec(config.data.tokenizer)
+    prompt = config.logging.sample_prompt
+    room = config.model.max_seq_len - len(codec.encode(prompt))
+    new = min(config.logging.sample_tokens, room)
+    return lambda state: prompt + sample_text(
+        engine, state.params, prompt, codec, max_new_tokens=new, temperature=0)
+
+
 @contextmanager
 def _stop_on_signals():
     """Records SIGTERM/SIGINT instead of dying, so the loop can save first."""
@@ -215,6 +228,7 @@ def train(
     show = sys.stderr.isatty() if progress is None else progress
     bar = tqdm(total=steps, initial=start, desc="train", unit="step", disable=not (show and is_main))
     record: dict[str, Any] = {}
+    sampler = _sampler(engine) if config.logging.sample_every_n_steps else None
     last_time, last_step = time.perf_counter(), start
     try:
         with _stop_on_signals() as stop:
@@ -224,9 +238,10 @@ def train(
                 done = step + 1
                 logging_now = done % every == 0 or done == steps
                 saving_now = bool(save_every) and done % save_every == 0
+                sampling_now = sampler is not None and done % config.logging.sample_every_n_steps == 0
                 stopping = _agreed(stop["signum"] is not None)
                 final = done == steps or stopping
-                if not (logging_now or saving_now or final):
+                if not (logging_now or saving_now or sampling_now or final):
                     continue
                 values = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 _check_finite(config, values, done, ckpt)
@@ -239,6 +254,10 @@ def train(
                         )
                     log.write(record)
                     bar.set_postfix(loss=f"{values['loss']:.4f}")
+                if sampling_now:
+                    text = sampler(state)  # every process decodes; the main one prints
+                    if is_main:
+                        bar.write(f"sample @ step {done}: {text!r}")
                 if saving_now or final:
                     engine.save(state, directory=ckpt.directory, meta=_data_meta(batches, done))
                 if logging_now:

@@ -89,3 +89,17 @@ def test_cli_samples_a_train_checkpoint(tmp_path, capsys):
     assert capsys.readouterr().out == greedy  # greedy decoding is deterministic
     assert main([*args[:-1], "20"]) == 2  # 3 + 20 tokens > max_seq_len 16
     assert "max_seq_len" in capsys.readouterr().err
+
+
+def test_train_prints_a_sample_every_n_steps(tmp_path, capsys):
+    from jaxspeed.train_loop import train
+
+    cfg = js.load_config(None, overrides=[
+        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
+        "model.max_seq_len=16", "data.seq_len=16", "data.max_bytes=100000", "mesh.data=8",
+        "train_batch_size=8", "steps=4", "logging.sample_every_n_steps=2",
+        "logging.sample_tokens=6"])
+    train(cfg, output_dir=tmp_path, progress=False)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sample")]
+    assert [line.split(":")[0] for line in lines] == ["sample @ step 2", "sample @ step 4"]
+    assert all(line.split(": ", 1)[1].startswith("'def ") for line in lines)

@@ -372,12 +372,18 @@ class CheckpointConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    """Metric logging cadence (`eval_every_n_steps` 0 = no evaluation) and TensorBoard."""
+    """Metric logging cadence (`eval_every_n_steps` 0 = no evaluation), TensorBoard, and
+    samples of the model's text (`sample_every_n_steps`)."""
 
     every_n_steps: _PositiveInt = 10
     eval_every_n_steps: _NonNegativeInt = 0
     eval_batches: _PositiveInt = 2
     tensorboard: _Bool = False
+    #: print a greedy continuation of `sample_prompt` every N steps (0 = never); text through
+    #: `data.tokenizer`, else bytes
+    sample_every_n_steps: _NonNegativeInt = 0
+    sample_prompt: str = "def "
+    sample_tokens: _PositiveInt = 48
 
 
 class HardwareConfig(_Section):
