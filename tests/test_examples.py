@@ -55,3 +55,20 @@ def test_long_context_example_trains_over_the_sequence_axis():
     total = {name: m["total"] for name, m in summary["per_device_bytes"].items()}
     # one eighth of a sequence per device holds less than a whole one, and the L x L scores more
     assert total["sequence 8"] < total["data 8, blocked"] < total["data 8, reference"]
+
+
+@pytest.mark.slow  # seven CLI steps, three of them compile a model: ~30 s
+def test_finetune_llama_script_runs_every_step(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "STEPS": "2", "FILES": "20",
+           "WORK": str(tmp_path), "PYTHON": sys.executable}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(["bash", "examples/finetune_llama.sh"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    for step in range(1, 8):
+        assert f"== {step}." in result.stdout
+    assert "sample @ step 2:" in result.stdout
+    record = json.loads(next(line for line in result.stdout.splitlines()
+                             if line.startswith('{"output"')))
+    assert record["step"] == 2 and math.isfinite(record["loss"])
+    assert (tmp_path / "hf-out" / "model.safetensors").is_file()
