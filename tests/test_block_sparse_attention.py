@@ -201,6 +201,53 @@ def test_xla_matches_dense_reference_for_each_config(config):
     check_against_reference(q, k, v, do, layout, causal=causal, impl="xla")
 
 
+# ---- the blocked path: the set blocks one at a time (online softmax) ---------------------------
+
+
+@pytest.mark.parametrize("causal,dtype", [(True, jnp.float32), (False, jnp.float32),
+                                          (True, jnp.bfloat16)], ids=["causal", "full", "bf16"])
+def test_blocked_matches_dense_reference(causal, dtype):
+    seq, block = 128, 16
+    layout = random_layout(3, heads=1, nb=seq // block, causal=causal)
+    q, k, v, do = qkv_do(seq, (2, seq, 4, 16), dtype)
+    check_against_reference(q, k, v, do, layout, causal=causal, impl="blocked")
+
+
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[5], CONFIGS[6]],
+                         ids=lambda c: type(c).__name__)
+def test_blocked_matches_dense_reference_for_shared_layouts(config):
+    layout = config.make_layout(128)
+    causal = getattr(config, "attention", "bidirectional") == "unidirectional"
+    q, k, v, do = qkv_do(8, (1, 128, 2, 16), jnp.float32)
+    check_against_reference(q, k, v, do, layout, causal=causal, impl="blocked")
+
+
+def test_blocked_memory_grows_linearly_where_xla_grows_with_the_set_blocks():
+    """Fixed's global blocks make the set blocks grow as L^2 / window: the gather path stores
+    them all, the blocked path one block at a time."""
+    config = sparsity.FixedSparsityConfig(num_heads=2, block=16, num_local_blocks=2,
+                                          attention="unidirectional")
+
+    def temp(seq, impl):
+        layout = config.make_layout(seq)
+        q = jnp.zeros((1, seq, 2, 16))
+        step = jax.jit(jax.grad(lambda q: block_sparse_attention(
+            q, q, q, layout, causal=True, impl=impl).sum()))
+        return step.lower(q).compile().memory_analysis().temp_size_in_bytes
+
+    blocked = [temp(seq, "blocked") for seq in (512, 2048)]
+    xla = [temp(seq, "xla") for seq in (512, 2048)]
+    assert blocked[1] / blocked[0] < 6  # 4x the length: linear, plus constants
+    assert xla[1] / xla[0] > blocked[1] / blocked[0]
+
+
+def test_blocked_needs_one_shared_layout():
+    layout = random_layout(4, heads=2, nb=4)
+    q = jnp.zeros((1, 64, 2, 8))
+    with pytest.raises(ValueError, match="shared by every head"):
+        block_sparse_attention(q, q, q, layout, impl="blocked")
+
+
 def test_xla_groups_rows_to_cut_padding():
     """A unidirectional Fixed layout's rows range from 1 to ~nb/4 + 4 blocks: the row groups
     are padded to much less than one group padded to the longest row would be."""

@@ -262,3 +262,12 @@ def test_plan_shows_the_sequence_axis_and_its_collectives(capsys, tmp_path):
         report = json.loads(capsys.readouterr().out)
         assert report["mesh"]["sequence"] == 4
         assert report["profile"]["collective_bytes"][kind] > 0
+
+
+@pytest.mark.parametrize("impl", ["blocked", "xla"])
+def test_ulysses_runs_block_sparse_attention_on_whole_sequences(dataset, impl):
+    sparse = ["model.sparse_attention={mode: fixed, block: 8, num_local_blocks: 2, "
+              "attention: unidirectional}", f"model.sparse_attention.impl={impl}"]
+    _, want = train(*_fresh(tiny_config("mesh.data=8", *sparse)), dataset, 2)
+    _, got = train(*_fresh(tiny_config("mesh.sequence=4", "mesh.data=2", *sparse)), dataset, 2)
+    np.testing.assert_allclose(got, want, rtol=RHO)

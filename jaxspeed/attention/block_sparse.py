@@ -19,11 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspeed.attention.blocked import blocked_attention
 from pallas_kernels._backend import on_gpu
 from pallas_kernels.block_sparse_attention import block_sparse_attention as _pallas_attention
 from pallas_kernels.block_sparse_attention import check_layout
 
-IMPLS = ("auto", "pallas", "xla")
+IMPLS = ("auto", "pallas", "xla", "blocked")
 _MAX_GROUPS = 8  # measured on CPU at seq 2048-8192: 1 -> 8 groups halved the step time
 _GROUP_COST = 2**14  # logits per batch and head that one more group must save
 
@@ -39,8 +40,10 @@ def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
         Block `(i, j)` set means query block `i` attends to key block `j`; block = seq // nb.
       causal: also mask keys after the query.
       sm_scale: logit scale; default `1 / sqrt(head_dim)`.
-      impl: `"pallas"` (the kernel; interpreted off GPU), `"xla"` (gather-based) or `"auto"`
-        (pallas on GPU, xla elsewhere).
+      impl: `"pallas"` (the kernel; interpreted off GPU), `"xla"` (gather-based: every set
+        block at once, memory growing with their count), `"blocked"` (the set blocks one at a
+        time with an online softmax, `jaxspeed.attention.blocked_attention`: O(seq * block)
+        memory; one layout shared by all heads) or `"auto"` (pallas on GPU, xla elsewhere).
 
     Returns:
       `[batch, seq, heads, head_dim]` in `q`'s dtype.
@@ -57,6 +60,14 @@ def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
     _check_qkv(q, k, v)
     _, seq_len, heads, head_dim = q.shape
     blocks = check_layout(layout, num_heads=heads, seq_len=seq_len, causal=causal)
+    if impl == "blocked":
+        if not (blocks == blocks[:1]).all():
+            raise ValueError(
+                "impl='blocked' needs one layout shared by every head "
+                "(different_layout_per_head: false); use impl='xla'")
+        block = seq_len // blocks.shape[1]
+        return blocked_attention(q, k, v, causal=causal, sm_scale=sm_scale, block_q=block,
+                                 block_kv=block, layout=blocks[0])
     scale = float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale)
     plan = _plan(blocks.tobytes(), blocks.shape, bool(causal), seq_len // blocks.shape[1])
     return _xla_attention(q, k, v, plan, scale)

@@ -15,12 +15,14 @@ rows are dropped. Blocks larger than the sequence shrink to it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspeed.sharding.vma import vary_alike
 
@@ -31,6 +33,7 @@ _F32 = jnp.float32
 def blocked_attention(
     q: Array, k: Array, v: Array, *, causal: bool = False, sm_scale: float | None = None,
     block_q: int = 512, block_kv: int = 512, segment_ids: Array | None = None,
+    layout: np.ndarray | None = None,
 ) -> Array:
     """Softmax attention computed block by block (FlashAttention), differentiable.
 
@@ -42,6 +45,9 @@ def blocked_attention(
       block_q, block_kv: rows of q and of k/v per block (shrunk to the lengths when larger).
       segment_ids: int `[batch, length]` (self-attention, q_len == kv_len): a query sees
         only keys of its own segment (packed documents); None: one segment.
+      layout: 0/1 `[num_q_blocks, num_kv_blocks]` (concrete): block-sparse attention, only
+        the set blocks computed (and stored: memory stays O(length * block)); the blocks are
+        then exactly `block_q` x `block_kv`, which must tile the lengths.
 
     Returns:
       `[batch, q_len, heads, head_dim]` in `v`'s dtype; softmax and sums in float32.
@@ -59,6 +65,8 @@ def blocked_attention(
             raise ValueError(f"{name} must be a positive integer, got {block!r}")
     scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
     spec = _spec(q, k, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
+    if layout is not None:
+        spec = spec._replace(sparse=_Layout.of(layout, spec))
     segments = None
     if segment_ids is not None:
         if q.shape[1] != k.shape[1] or segment_ids.shape != q.shape[:2]:
@@ -146,6 +154,42 @@ def _lse_blocks(rows: Array, spec: _Spec) -> Array:
     return rows.reshape(b, spec.num_q, spec.block_q, h).transpose(1, 0, 3, 2)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A block-sparse layout as loop tables: query block `i`'s key blocks `row[i][:count]`,
+    and key block `j`'s query blocks `column[j][:count]` (the causal mask applied)."""
+
+    rows: tuple[tuple[int, ...], ...]
+    columns: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def of(layout: np.ndarray, spec: _Spec) -> _Layout:
+        layout = np.asarray(layout).astype(bool)
+        if layout.shape != (spec.num_q, spec.num_kv) or spec.q_len % spec.block_q or (
+                spec.kv_len % spec.block_kv):
+            raise ValueError(
+                f"layout {layout.shape} must be [q_len / block_q, kv_len / block_kv] = "
+                f"[{spec.q_len} / {spec.block_q}, {spec.kv_len} / {spec.block_kv}], the blocks "
+                f"tiling the lengths")
+        if spec.causal:
+            q_last = (np.arange(spec.num_q) + 1) * spec.block_q - 1
+            layout = layout & (np.arange(spec.num_kv)[None] * spec.block_kv <= q_last[:, None])
+        return _Layout(_lists(layout), _lists(layout.T))
+
+    def table(self, which: str) -> tuple[Array, Array]:
+        """`(counts [n], entries [n, max])` int32 of `rows` or `columns`."""
+        lists = getattr(self, which)
+        width = max(1, max(map(len, lists)))
+        entries = np.zeros((len(lists), width), np.int32)
+        for n, entry in enumerate(lists):
+            entries[n, :len(entry)] = entry
+        return jnp.asarray([len(e) for e in lists], jnp.int32), jnp.asarray(entries)
+
+
+def _lists(mask: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(j) for j in np.flatnonzero(row)) for row in mask)
+
+
 class _Spec(NamedTuple):
     """The static facts of one call (hashable, for `nondiff_argnums`)."""
 
@@ -155,6 +199,21 @@ class _Spec(NamedTuple):
     block_kv: int
     causal: bool
     scale: float
+    sparse: _Layout | None = None
+
+    def kv_loop(self, i: Array):
+        """Query block `i`'s key blocks: `(count, t -> j)` for a loop over `t < count`."""
+        if self.sparse is not None:
+            counts, entries = self.sparse.table("rows")
+            return counts[i], lambda t: entries[i, t]
+        return self.kv_blocks_for(i), lambda t: t
+
+    def q_loop(self, j: Array):
+        """Key block `j`'s query blocks: `(start, stop, t -> i)` for a loop over `t`."""
+        if self.sparse is not None:
+            counts, entries = self.sparse.table("columns")
+            return jnp.int32(0), counts[j], lambda t: entries[j, t]
+        return self.first_q_block_for(j), self.num_q, lambda t: t
 
     @property
     def num_q(self) -> int:
@@ -223,8 +282,11 @@ def _forward(spec: _Spec, q: Array, k: Array, v: Array, segments=None,
     def q_block(_, xs):
         q_i, i = xs
 
-        def kv_block(j, carry):
+        count, kv_at = spec.kv_loop(i)
+
+        def kv_block(t, carry):
             m, l, acc = carry
+            j = kv_at(t)
             s, keep = _scores(spec, q_i, kb[j], i, j, segments)
             m_new = jnp.maximum(m, jnp.max(jnp.where(keep, s, -jnp.inf), axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
@@ -238,7 +300,7 @@ def _forward(spec: _Spec, q: Array, k: Array, v: Array, segments=None,
         row = q_i[..., 0]
         init = (jnp.full_like(row, -jnp.inf, _F32), jnp.zeros_like(row, _F32),
                 jnp.zeros_like(q_i, _F32))
-        m, l, acc = jax.lax.fori_loop(0, spec.kv_blocks_for(i), kv_block, init)
+        m, l, acc = jax.lax.fori_loop(0, count, kv_block, init)
         out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(out_dtype or v.dtype)
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
         return None, (out, lse)
@@ -270,9 +332,11 @@ def _backward(spec: _Spec, q, k, v, out, lse, d_out, segments=None) -> tuple[Arr
 
     def kv_block(dq, xs):
         k_j, v_j, j = xs
+        start, stop, q_at = spec.q_loop(j)
 
-        def q_block(i, carry):
+        def q_block(t, carry):
             dk, dv, dq = carry
+            i = q_at(t)
             q_i, do_i = qb[i], dob[i]
             s, keep = _scores(spec, q_i, k_j, i, j, segments)
             p = jnp.where(keep, jnp.exp(s - lse[i][..., None]), 0.0)
@@ -285,9 +349,7 @@ def _backward(spec: _Spec, q, k, v, out, lse, d_out, segments=None) -> tuple[Arr
             return dk, dv, dq
 
         zeros = jnp.zeros_like(k_j, _F32)
-        dk, dv, dq = jax.lax.fori_loop(
-            spec.first_q_block_for(j), spec.num_q, q_block, (zeros, zeros, dq)
-        )
+        dk, dv, dq = jax.lax.fori_loop(start, stop, q_block, (zeros, zeros, dq))
         return dq, (dk, dv)
 
     dq0 = jnp.zeros_like(qb, _F32)
