@@ -372,7 +372,7 @@ def _check_sequence(config: Config, mesh: Mesh, *, reference_model: bool) -> Non
     if not reference_model:
         return
     sp = config.model.sequence_parallel
-    check_length(config.data.seq_len, shards, sp.load_balance)
+    check_length(config.data.seq_len, shards, sp.load_balance and sp.impl == "ring")
     heads, tensor = config.model.n_heads, mesh.shape.get(TENSOR, 1)
     local = heads // tensor if heads % tensor == 0 else heads
     if sp.impl == "ulysses" and local % shards:

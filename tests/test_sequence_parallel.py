@@ -160,6 +160,8 @@ def one_device(dataset):
 ], ids=["seq4-data2-zero3-ulysses", "seq4-data2-zero3-ring", "seq2-tensor2-data2-ulysses",
         "seq2-tensor2-data2-ring-natural"])
 def test_gpt_training_equals_one_device(dataset, one_device, overrides):
+    """Ulysses keeps the natural layout (whole sequences are balanced already); ring trains on
+    the balanced one unless told otherwise."""
     engine = js.initialize(tiny_config(*overrides))
     assert engine.abstract_batch()["inputs"].sharding.spec[1] == "sequence"
     state, losses = train(engine, engine.init(jax.random.key(0)), dataset, STEPS)
@@ -238,7 +240,9 @@ CLI_TINY = {
 
 @pytest.mark.parametrize("change, match", [
     ({"model": {**CLI_TINY["model"], "n_heads": 2}}, "impl: ring"),
-    ({"data": {"seq_len": 28, "max_bytes": 300000}}, "2 x sequence = 8 chunks"),
+    ({"data": {"seq_len": 28, "max_bytes": 300000},
+      "model": {**CLI_TINY["model"], "sequence_parallel": {"impl": "ring"}}},
+     "2 x sequence = 8 chunks"),
     ({"model": {**CLI_TINY["model"], "sequence_parallel": {"impl": "stripes"}}},
      "model.sequence_parallel.impl"),
     ({"model": {**CLI_TINY["model"], "moe": {"num_experts": 4}}}, "model.moe with sequence"),
@@ -271,3 +275,13 @@ def test_ulysses_runs_block_sparse_attention_on_whole_sequences(dataset, impl):
     _, want = train(*_fresh(tiny_config("mesh.data=8", *sparse)), dataset, 2)
     _, got = train(*_fresh(tiny_config("mesh.sequence=4", "mesh.data=2", *sparse)), dataset, 2)
     np.testing.assert_allclose(got, want, rtol=RHO)
+
+
+def test_only_ring_uses_the_balanced_layout():
+    from jaxspeed.models import build_gpt
+
+    for impl, balanced in (("ulysses", False), ("ring", True)):
+        cfg = tiny_config(f"model.sequence_parallel.impl={impl}")
+        assert build_gpt(cfg.model).balanced is balanced
+    cfg = tiny_config("model.sequence_parallel.impl=ring", "model.sequence_parallel.load_balance=false")
+    assert build_gpt(cfg.model).balanced is False

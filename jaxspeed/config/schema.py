@@ -240,9 +240,10 @@ class SequenceParallelConfig(_Section):
     `ulysses` (DeepSpeed-Ulysses): two all-to-alls turn sequence shards into head shards
     around any attention (`model.attention`, block-sparse too); needs the heads (per tensor
     shard) divisible by `mesh.sequence`. `ring`: k/v shards circulate over the devices, any
-    head count, dense attention only. `load_balance` gives device i the chunks i and 2S-1-i of
-    2S, so the causal mask costs every device the same; it needs `data.seq_len` divisible by
-    2 x `mesh.sequence`.
+    head count, dense attention only. `load_balance` (ring) gives device i the chunks i and
+    2S-1-i of 2S, so the causal mask costs every device the same; it needs `data.seq_len`
+    divisible by 2 x `mesh.sequence`. Ulysses attends over whole sequences, balanced already,
+    and ignores it.
     """
 
     impl: Literal["ulysses", "ring"] = "ulysses"

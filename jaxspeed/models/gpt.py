@@ -651,6 +651,13 @@ class GPT(nn.Module):
         super().__post_init__()
 
     @property
+    def balanced(self) -> bool:
+        """Whether a sequence split uses the load-balanced layout: ring attention's causal
+        work needs it; Ulysses attends over whole sequences, balanced already, so it keeps
+        the natural layout whatever `sequence_load_balance` says."""
+        return self.sequence_load_balance and self.sequence_parallel == "ring"
+
+    @property
     def num_units(self) -> int:
         """Scanned units: layers, or groups of `moe_every` layers in a MoE model."""
         return self.n_layers if self.moe is None else self.n_layers // self.moe_every
@@ -676,7 +683,7 @@ class GPT(nn.Module):
             block_q=self.attention_block_q,
             block_kv=self.attention_block_kv,
             sequence_parallel=self.sequence_parallel,
-            load_balance=self.sequence_load_balance,
+            load_balance=self.balanced,
             n_kv_heads=self.n_kv_heads,
             norm_eps=self.norm_eps,
             decode=self.decode,
@@ -739,7 +746,7 @@ class GPT(nn.Module):
             )
         x = _cast(jnp.take(self.embedding, tokens, axis=0), self.dtype)
         if self.positions == "learned":
-            split = None if self.decode else sequence_split(self.sequence_load_balance)
+            split = None if self.decode else sequence_split(self.balanced)
             if positions is None and self.decode:  # after the tokens already decoded
                 positions = self.decoded.value + jnp.arange(length)
                 if not self.is_initializing():
@@ -780,7 +787,7 @@ class GPT(nn.Module):
         Returns:
           float32 logits `[batch, length, vocab]`.
         """
-        split = None if self.decode else sequence_split(self.sequence_load_balance)
+        split = None if self.decode else sequence_split(self.balanced)
         if split is None or not split.balanced:
             x, _ = self.layers(self.embed(tokens, positions), deterministic, segment_ids,
                                positions)
