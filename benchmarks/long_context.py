@@ -1,5 +1,7 @@
-"""The longest sequence that trains within a per-device memory budget: dense attention on one device
-per sequence against blocked attention with the sequence split over 8 devices.
+"""The longest sequence that trains in a per-device memory budget, with and without sequence split.
+
+Dense reference attention with one whole sequence per device against blocked attention with the
+sequence split over 8 devices (Ulysses, ring, and Ulysses with a block-sparse layout).
 
 Shapes only for the lengths: each probe's train step is compiled (`engine.memory_report()`),
 nothing is allocated. The same GPT in every probe: d_model 256, 2 layers, 8 heads of 32, d_ff
@@ -11,17 +13,21 @@ micro-batch 1, 8 emulated devices.
   data=8, sequence=1: every device holds one whole sequence (global batch 8);
 - jaxspeed: `model.attention.impl: blocked` (FlashAttention in plain JAX, blocks 512 x 512)
   with mesh sequence=8, data=1 (global batch 1, split over the 8 devices),
-  `model.sequence_parallel: {impl: ulysses, load_balance: true}`; also with `impl: ring`;
+  `model.sequence_parallel: {impl: ulysses}`; also `{impl: ring, load_balance: true}`;
 - sparse: the jaxspeed setup (Ulysses) plus the block-sparse Fixed layout of Sparse
   Transformers (`model.sparse_attention: {mode: fixed, block: 64, num_local_blocks: 4,
-  num_global_blocks: 1, attention: unidirectional}`), the XLA gather path on the CPU.
+  num_global_blocks: 1, attention: unidirectional, impl: blocked}`): only the layout's set
+  blocks, one at a time with an online softmax, so memory stays O(L x block) although the
+  layout's global columns make the set blocks grow as L^2 (the gather path, `impl: xla`, holds
+  them all at once: about 3.1 bytes x L^2 per device here, 27k tokens in 2 GiB).
 
 A probe fits when the compiled step's device bytes per device (`memory_report()`'s
 `per_device_bytes.device`: arguments + outputs - aliased + temp of XLA's `memory_analysis()`;
 nothing lives in host memory here, so it is the compiled total, source `compiled`) are within
 the budget (2 GiB). Each length search doubles the length from `start` until a probe does not
-fit, then bisects between the last fitting length and that one, in multiples of `granule`
-(64: a multiple of 2 x 8 for the balanced layout and of the sparse block), up to `max_seq`.
+fit (halves it from `start` while probes do not), then bisects between the longest length that
+fits and the shortest that does not, in multiples of `granule` (64: a multiple of 2 x 8 for the
+balanced layout and of the sparse block), up to `max_seq` (1,048,576).
 Headline: ratio = the longest sequence with blocked attention and Ulysses over sequence 8 / the
 baseline's longest (targets: >= 10x, DeepSpeed's claim, and >= 32x with the sparse layout,
 `sparse_ratio`).
@@ -30,7 +36,8 @@ Second part (skip it with `--no-step-time`): the train step's wall time at seq 1
 devices, blocked attention, three ways: Ulysses and ring over sequence=8 (global batch 1) and
 `sequence: 1` (data=8, global batch 8). Each step is compiled ahead, run once to warm up, then
 the three are timed interleaved (A B C, C B A, ...); medians. The steps differ in tokens, so
-tokens/s compares them. No target. It prints its JSON line before the headline.
+tokens/s compares them. Ulysses and ring train on the same sequence from the same parameters, so
+their first losses agree. No target. It prints its JSON line before the headline.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import _common  # noqa: E402
 NAME = "long_context"
 LENGTH_TARGET, SPARSE_TARGET = 10.0, 32.0
 SPARSE = {"mode": "fixed", "num_local_blocks": 4, "num_global_blocks": 1,
-          "attention": "unidirectional"}
+          "attention": "unidirectional", "impl": "blocked"}
 #: The length searches: name -> (attention impl, mesh.sequence, sequence_parallel impl, sparse).
 SEARCHES = {
     "baseline": ("reference", 1, None, False),
@@ -69,8 +76,8 @@ FULL = {
     "step_seq": 16384, "repeats": 3,
 }
 QUICK = {
-    "budget": "6MiB", "d_model": 64, "n_layers": 1, "n_heads": 8, "d_ff": 128, "vocab": 64,
-    "block": 32, "sparse_block": 16, "granule": 64, "start": 64, "max_seq": 4096,
+    "budget": "3MiB", "d_model": 64, "n_layers": 1, "n_heads": 8, "d_ff": 128, "vocab": 64,
+    "block": 32, "sparse_block": 16, "granule": 128, "start": 256, "max_seq": 512,
     "step_seq": 256, "repeats": 1,
 }
 
@@ -126,8 +133,12 @@ def measure(seq: int, variant: tuple, *, setup: dict) -> dict:
 
 
 def longest_fitting(name: str, budget: int, *, setup: dict, log: list) -> dict:
-    """The longest multiple of `granule` whose probe fits `budget`: doubling from `start` until
-    a probe does not fit (or `max_seq`), then a binary search in between."""
+    """The longest multiple of `granule` up to `max_seq` whose probe fits `budget`.
+
+    Doubles the length from `start` while probes fit (halves it while they do not), so the
+    probes stay near the answer (a probe's compile grows with its length), then bisects
+    between the longest length that fits and the shortest that does not.
+    """
     granule, cap = setup["granule"], setup["max_seq"]
 
     def probe(seq: int) -> dict:
@@ -136,19 +147,23 @@ def longest_fitting(name: str, budget: int, *, setup: dict, log: list) -> dict:
         log.append(row)
         return row
 
-    best, seq, failed = None, setup["start"], None
+    best = failed = None
+    seq = setup["start"]
     while True:
         row = probe(seq)
-        if not row["fits"]:
+        if row["fits"]:
+            best = row
+            if failed is not None or seq >= cap:
+                break
+            seq = min(2 * seq, cap)
+        else:
             failed = seq
-            break
-        best = row
-        if seq >= cap:
-            break
-        seq = min(2 * seq, cap)
-    if best is None:
-        raise SystemExit(f"{name}: seq {setup['start']} does not fit {budget} bytes per device")
-    lo, hi = best["seq"] // granule + 1, (failed or cap + granule) // granule - 1
+            if best is not None:
+                break
+            if seq <= granule:
+                raise SystemExit(f"{name}: not even seq {seq} fits {budget} bytes per device")
+            seq = max(granule, seq // 2 // granule * granule)
+    lo, hi = best["seq"] // granule + 1, (cap if failed is None else failed - granule) // granule
     while lo <= hi:
         units = (lo + hi) // 2
         row = probe(units * granule)
@@ -169,7 +184,6 @@ def step_times(setup: dict, repeats: int) -> dict:
     from jaxspeed.engine import initialize
 
     seq = setup["step_seq"]
-    rng = np.random.default_rng(0)
     calls, tokens, compile_s, first_loss = {}, {}, {}, {}
     for name, variant in STEP_VARIANTS.items():
         engine = initialize(bench_config(seq, variant, setup=setup))
@@ -177,7 +191,9 @@ def step_times(setup: dict, repeats: int) -> dict:
         step = engine.compile_train_step()
         compile_s[name] = round(time.perf_counter() - start, 2)
         rows = engine.batch_sizes.train_batch_size
-        ids = rng.integers(0, setup["vocab"], (rows, seq + 1), dtype=np.int32)
+        # the same first sequence for all three (and the same initial params): Ulysses' and
+        # ring's warm-up losses are the same loss, computed two ways
+        ids = np.random.default_rng(0).integers(0, setup["vocab"], (rows, seq + 1), np.int32)
         batch = engine.shard_batch({"inputs": ids[:, :-1], "targets": ids[:, 1:]})
         holder = {"state": engine.init(jax.random.key(0))}
 
@@ -234,6 +250,7 @@ def report_step_times(setup: dict, repeats: int) -> None:
         ms={k: round(v, 1) for k, v in r["ms"].items()},
         min_ms={k: round(v, 1) for k, v in r["min_ms"].items()},
         tokens_per_step=r["tokens"],
+        first_loss=r["first_loss"],
         compile_s=r["compile_s"],
         repeats=repeats,
         target=None,
@@ -277,12 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{_common.DEVICES} devices. baseline: reference attention, data={_common.DEVICES}; "
         f"ulysses / ring: blocked attention (blocks {setup['block']}), sequence="
         f"{_common.DEVICES}; sparse: ulysses + Fixed layout (block {setup['sparse_block']}, "
-        f"4 local, 1 global, unidirectional). Search: doubling from {setup['start']:,}, then "
-        f"bisection in multiples of {setup['granule']}, up to {setup['max_seq']:,}."
+        f"4 local, 1 global, unidirectional). Search: doubling (or halving) from "
+        f"{setup['start']:,}, then bisection in multiples of {setup['granule']}, up to "
+        f"{setup['max_seq']:,}."
     )
     print()
     _common.print_table(
-        ["search", "seq", "device MiB", "temp MiB", "state MiB", "KiB/token", "fits", "s"],
+        ["search", "seq", "device MiB", "temp MiB", "params+opt MiB", "KiB/token", "fits", "s"],
         [[r["search"], r["seq"], mib(r["device"]), mib(r["temp"]), mib(r["state"]),
           r["device"] / r["seq"] / 1024, r["fits"], r["seconds"]] for r in log],
     )

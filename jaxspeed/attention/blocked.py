@@ -156,11 +156,10 @@ def _lse_blocks(rows: Array, spec: _Spec) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """A block-sparse layout as loop tables: query block `i`'s key blocks `row[i][:count]`,
-    and key block `j`'s query blocks `column[j][:count]` (the causal mask applied)."""
+    """A block-sparse layout (the causal mask applied), hashable: the bool mask's bytes."""
 
-    rows: tuple[tuple[int, ...], ...]
-    columns: tuple[tuple[int, ...], ...]
+    mask: bytes
+    shape: tuple[int, int]
 
     @staticmethod
     def of(layout: np.ndarray, spec: _Spec) -> _Layout:
@@ -174,20 +173,24 @@ class _Layout:
         if spec.causal:
             q_last = (np.arange(spec.num_q) + 1) * spec.block_q - 1
             layout = layout & (np.arange(spec.num_kv)[None] * spec.block_kv <= q_last[:, None])
-        return _Layout(_lists(layout), _lists(layout.T))
+        return _Layout(layout.tobytes(), layout.shape)
 
     def table(self, which: str) -> tuple[Array, Array]:
-        """`(counts [n], entries [n, max])` int32 of `rows` or `columns`."""
-        lists = getattr(self, which)
-        width = max(1, max(map(len, lists)))
-        entries = np.zeros((len(lists), width), np.int32)
-        for n, entry in enumerate(lists):
-            entries[n, :len(entry)] = entry
-        return jnp.asarray([len(e) for e in lists], jnp.int32), jnp.asarray(entries)
+        """`(counts [n], entries [n, max])` int32: for each query block (`rows`) its key
+        blocks, or for each key block (`columns`) its query blocks, padded with 0."""
+        counts, entries = _loop_table(self.mask, self.shape, which == "columns")
+        return jnp.asarray(counts), jnp.asarray(entries)
 
 
-def _lists(mask: np.ndarray) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(j) for j in np.flatnonzero(row)) for row in mask)
+@functools.lru_cache(maxsize=16)
+def _loop_table(mask: bytes, shape: tuple[int, int], transpose: bool):
+    layout = np.frombuffer(mask, bool).reshape(shape)
+    layout = layout.T if transpose else layout
+    counts = layout.sum(axis=1).astype(np.int32)
+    # stable sort puts each row's set blocks first, in order
+    entries = np.argsort(~layout, axis=1, kind="stable")[:, :max(1, int(counts.max()))]
+    return counts, np.where(np.arange(entries.shape[1]) < counts[:, None], entries, 0).astype(
+        np.int32)
 
 
 class _Spec(NamedTuple):

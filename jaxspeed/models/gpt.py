@@ -279,7 +279,7 @@ def _shared_layout(layout: np.ndarray) -> np.ndarray:
     return layout[:1]
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=4)  # `[heads, nb, nb]`: hundreds of MiB at long lengths
 def sparse_layout(config: SparsityConfig, seq_len: int) -> np.ndarray:
     """The block layout `[heads, nb, nb]` of `config` at `seq_len`, built once per pair."""
     layout = config.make_layout(seq_len)
