@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample = sub.add_parser(
         "sample", help="continue a prompt with a trained checkpoint (key/value cache)"
     )
-    sample.add_argument("checkpoint", help="checkpoint directory, e.g. runs/x/checkpoints")
+    sample.add_argument("checkpoint",
+                        help="a run's checkpoints (runs/x/checkpoints) or an import-hf folder")
     sample.add_argument("--prompt", required=True, help="the text to continue")
     sample.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     sample.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
@@ -282,13 +283,24 @@ def _launch(args) -> int:
 def _sample(args) -> int:
     import jax
 
+    from jaxspeed.config import load_config
+    from jaxspeed.engine import initialize
     from jaxspeed.export import load_trained
+    from jaxspeed.params_checkpoint import is_params_checkpoint, read_record, start_from
     from jaxspeed.sampling import Codec, sample_text
 
     codec = Codec(args.tokenizer)
-    engine, state = load_trained(args.checkpoint, step=args.step)
+    if is_params_checkpoint(args.checkpoint):  # straight from `jaxspeed import-hf`
+        model = read_record(args.checkpoint)["model"]
+        engine = initialize(load_config({
+            "model": model, "data": {"seq_len": model["max_seq_len"]},
+            "train_micro_batch_size_per_device": 1}))
+        params = start_from(engine, args.checkpoint, jax.random.key(0)).params
+    else:
+        engine, state = load_trained(args.checkpoint, step=args.step)
+        params = state.params
     text = sample_text(
-        engine, state.params, args.prompt, codec, max_new_tokens=args.max_new_tokens,
+        engine, params, args.prompt, codec, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, key=jax.random.key(args.seed),
     )
     print(args.prompt + text)

@@ -156,10 +156,11 @@ class Codec:
 def sample_text(engine, params, text: str, codec: Codec, **options) -> str:
     """The continuation of `text` (without it), decoded with `codec`."""
     vocab = engine.config.model.vocab_size
-    if codec.vocab_size > vocab:
-        raise ConfigError(
-            f"the tokenizer has {codec.vocab_size} tokens but model.vocab_size={vocab}")
     prompt = codec.encode(text)
+    if max(prompt, default=0) >= vocab:
+        raise ConfigError(
+            f"the prompt has token {max(prompt)}, outside model.vocab_size={vocab}; use the "
+            f"model's tokenizer (--tokenizer)")
     tokens = sample_from_engine(engine, params, [prompt], **options)
     return codec.decode(tokens[0, len(prompt):])
 

@@ -103,3 +103,18 @@ def test_train_prints_a_sample_every_n_steps(tmp_path, capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sample")]
     assert [line.split(":")[0] for line in lines] == ["sample @ step 2", "sample @ step 4"]
     assert all(line.split(": ", 1)[1].startswith("'def ") for line in lines)
+
+
+def test_cli_samples_an_imported_checkpoint(tmp_path, capsys):
+    from pathlib import Path
+
+    from jaxspeed.cli import main
+
+    fixture = Path(__file__).parent / "fixtures" / "llama" / "gqa"
+    assert main(["import-hf", str(fixture), "--out", str(tmp_path / "imported")]) == 0
+    capsys.readouterr()
+    args = ["sample", str(tmp_path / "imported"), "--temperature", "0", "--max-new-tokens", "4"]
+    assert main([*args, "--prompt", "0("]) == 0  # bytes below the fixture's vocabulary of 64
+    assert capsys.readouterr().out.startswith("0(")
+    assert main([*args, "--prompt", "ab"]) == 2
+    assert "outside model.vocab_size=64" in capsys.readouterr().err
