@@ -17,11 +17,14 @@ from jaxspeed.config import load_config
 from jaxspeed.engine import initialize
 from jaxspeed.mesh import make_mesh
 
-#: The saved run's batch and mesh do not matter for reading params: one device, one row.
-_ONE_DEVICE = [
-    "mesh.pipe=1", "mesh.data=1", "mesh.sequence=1", "mesh.expert=1", "mesh.tensor=1",
+#: The saved run's batch and mesh do not matter for reading params: one row per replica...
+_ONE_ROW = [
     "train_batch_size=null", "train_micro_batch_size_per_device=1", "gradient_accumulation_steps=1",
 ]
+#: ... on one device,
+_ONE_DEVICE = ["mesh.pipe=1", "mesh.data=1", "mesh.sequence=1", "mesh.expert=1", "mesh.tensor=1"]
+#: ... or on several: no pipeline or sequence split, the rest of the devices on `data`.
+_SEVERAL_DEVICES = ["mesh.pipe=1", "mesh.sequence=1", "mesh.data=-1"]
 
 
 def export_params(checkpoint_dir: str | Path, out: str | Path, *, step: int | None = None) -> Path:
@@ -66,9 +69,8 @@ def load_trained(checkpoint_dir: str | Path, *, step: int | None = None, devices
             "that wrote it (engine.restore)"
         )
     devices = list(devices) if devices is not None else jax.devices()
-    mesh_overrides = _ONE_DEVICE if len(devices) == 1 else [
-        "mesh.pipe=1", "mesh.sequence=1", "mesh.data=-1", *_ONE_DEVICE[5:]]
-    config = load_config(meta["config"], overrides=[*mesh_overrides, *(overrides or [])])
+    mesh = _ONE_DEVICE if len(devices) == 1 else _SEVERAL_DEVICES
+    config = load_config(meta["config"], overrides=[*mesh, *_ONE_ROW, *(overrides or [])])
     engine = initialize(config, mesh=make_mesh(config.mesh, devices=devices))
     state, _ = ckpt.restore(engine.abstract_state(), step=step)
     return engine, state

@@ -163,21 +163,27 @@ def rotary_embedding(
     return rotated.astype(x.dtype)
 
 
-def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = None) -> Array:
+def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = None, *,
+                     q_positions: Array | None = None) -> Array:
     """Causal softmax attention with a float32 softmax.
 
     Args:
-      q, k, v: `[batch, length, heads, head_dim]`.
+      q: `[batch, q_len, heads, head_dim]`; k, v: `[batch, kv_len, heads, head_dim]`, key `j`
+        at position `j`.
       segment_ids: int `[batch, length]`: a query sees only keys of its own segment (packed
         documents); None: one segment.
+      q_positions: int `[q_len]`, the queries' positions (a decoding step's, after a cache of
+        keys); default `0, 1, ...`: query `i` sees keys `0..i`.
 
     Returns:
-      `[batch, length, heads, head_dim]` in `v`'s dtype.
+      `[batch, q_len, heads, head_dim]` in `v`'s dtype.
     """
-    length, head_dim = q.shape[1], q.shape[-1]
+    head_dim = q.shape[-1]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
     scores = scores.astype(jnp.float32) / math.sqrt(head_dim)
-    keep = jnp.tril(jnp.ones((length, length), dtype=bool))
+    if q_positions is None:
+        q_positions = jnp.arange(q.shape[1])
+    keep = jnp.arange(k.shape[1])[None, :] <= q_positions[:, None]
     if segment_ids is not None:
         keep = keep & same_segment(segment_ids)
     scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
@@ -335,24 +341,25 @@ class Attention(nn.Module):
 
         q = project("query", self.n_heads)
         k, v = project("key", kv_heads), project("value", kv_heads)
-        if self.decode:
-            y = self._decode(q, k, v)
-            out = _logical_param(self, "out", ("heads", "kv", "embed"),
-                                 (self.n_heads, head_dim, embed), std=self.out_std)
-            return jnp.einsum("blhd,hde->ble", y, _cast(out, self.dtype))
-        split = sequence_split(self.load_balance)
-        if split is not None and (segment_ids is not None or positions is not None):
-            raise ConfigError(
-                "packed sequences (segment_ids, positions) with mesh.sequence > 1 are not "
-                "available in this version of jaxspeed; use mesh.sequence=1 or no packing")
-        if self.rotary is not None:
+        split = None
+        if self.decode:  # this call's tokens follow the ones already in the cache
+            index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+            positions = index.value + jnp.arange(q.shape[1])
+        else:
+            split = sequence_split(self.load_balance)
+            if split is not None and (segment_ids is not None or positions is not None):
+                raise ConfigError(
+                    "packed sequences (segment_ids, positions) with mesh.sequence > 1 are not "
+                    "available in this version of jaxspeed; use mesh.sequence=1 or no packing")
             if positions is None and split is not None:
                 positions = split.positions(q.shape[1])
+        if self.rotary is not None:
             q = rotary_embedding(q, positions, self.rotary)
             k = rotary_embedding(k, positions, self.rotary)
-        if kv_heads != self.n_heads:  # each group of query heads shares one key/value head
-            k, v = (jnp.repeat(t, self.n_heads // kv_heads, axis=2) for t in (k, v))
-        y = self._attend(q, k, v, split, segment_ids)
+        if self.decode:
+            y = self._decode(q, k, v, index, positions)
+        else:
+            y = self._attend(q, *self._share_kv_heads(k, v), split, segment_ids)
         y = nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
         y = checkpoint_name(y, "attn_context")
         out = _logical_param(
@@ -360,33 +367,26 @@ class Attention(nn.Module):
         )
         return checkpoint_name(jnp.einsum("blhd,hde->ble", y, _cast(out, self.dtype)), "attn_out")
 
-    def _decode(self, q: Array, k: Array, v: Array) -> Array:
-        """Causal attention of this call's tokens over the cache and themselves."""
-        batch, length, kv_heads, head_dim = k.shape
-        shape = (batch, self.cache_len, kv_heads, head_dim)
+    def _share_kv_heads(self, k: Array, v: Array) -> tuple[Array, Array]:
+        """Grouped-query attention: each group of query heads reads one key/value head."""
+        group = self.n_heads // k.shape[2]
+        return (k, v) if group == 1 else tuple(jnp.repeat(t, group, axis=2) for t in (k, v))
+
+    def _decode(self, q: Array, k: Array, v: Array, index, positions: Array) -> Array:
+        """This call's tokens attend over the cached keys and values and their own, which
+        join the cache at `index`."""
+        shape = (k.shape[0], self.cache_len, *k.shape[2:])
         ready = self.has_variable("cache", "key")  # False while `init` creates the cache
         keys = self.variable("cache", "key", jnp.zeros, shape, k.dtype)
         values = self.variable("cache", "value", jnp.zeros, shape, v.dtype)
-        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-        start = index.value
-        positions = start + jnp.arange(length)
-        if self.rotary is not None:
-            q = rotary_embedding(q, positions, self.rotary)
-            k = rotary_embedding(k, positions, self.rotary)
         if not ready:
-            return causal_attention(q, *(jnp.repeat(t, self.n_heads // kv_heads, axis=2)
-                                         for t in (k, v)))
+            return causal_attention(q, *self._share_kv_heads(k, v))
+        start = index.value
         keys.value = jax.lax.dynamic_update_slice(keys.value, k, (0, start, 0, 0))
         values.value = jax.lax.dynamic_update_slice(values.value, v, (0, start, 0, 0))
-        index.value = start + length
-        k, v = (jnp.repeat(t, self.n_heads // kv_heads, axis=2)
-                for t in (keys.value, values.value))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores.astype(jnp.float32) / math.sqrt(head_dim)
-        seen = jnp.arange(self.cache_len)[None, :] <= positions[:, None]  # [length, cache]
-        scores = jnp.where(seen, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        index.value = start + q.shape[1]
+        k, v = self._share_kv_heads(keys.value, values.value)
+        return causal_attention(q, k, v, q_positions=positions)
 
     def _attend(self, q: Array, k: Array, v: Array, split: SequenceSplit | None,
                 segment_ids: Array | None = None) -> Array:
@@ -481,29 +481,19 @@ class Mlp(nn.Module):
 class Block(nn.Module):
     """Pre-norm decoder block; `(carry, deterministic)` signature so it can be scanned.
 
-    With `moe` (keyword arguments of `jaxspeed.moe.MoE`) the feed-forward is a
+    `attention` holds the `Attention` attributes besides the shared `out_std`, `param_dtype`
+    and `dtype`. With `moe` (keyword arguments of `jaxspeed.moe.MoE`) the feed-forward is a
     mixture of experts, which records its aux loss for the engine.
     """
 
-    n_heads: int
     d_ff: int
     norm: str
     mlp: str
-    rotary: Rotary | None
     out_std: float
+    attention: dict[str, Any]
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
-    sparse: SparsityConfig | None = None
-    sparse_impl: str = "auto"
-    attention_impl: str = "auto"
-    block_q: int = 512
-    block_kv: int = 512
-    sequence_parallel: str = "ulysses"
-    load_balance: bool = True
-    n_kv_heads: int | None = None
     norm_eps: float = _NORM_EPS
-    decode: bool = False
-    cache_len: int = 0
     moe: tuple[tuple[str, Any], ...] | None = None
 
     @nn.compact
@@ -514,10 +504,8 @@ class Block(nn.Module):
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         h = Norm(self.norm, self.param_dtype, self.norm_eps, name="attn_norm")(x)
         h = Attention(
-            self.n_heads, self.rotary, self.out_std, self.param_dtype, self.dtype,
-            self.sparse, self.sparse_impl, self.attention_impl, self.block_q, self.block_kv,
-            self.sequence_parallel, self.load_balance, self.n_kv_heads, self.decode,
-            self.cache_len, name="attn",
+            **self.attention, out_std=self.out_std, param_dtype=self.param_dtype,
+            dtype=self.dtype, name="attn",
         )(h, segment_ids, positions)
         x = x + h.astype(x.dtype)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
@@ -668,15 +656,9 @@ class GPT(nn.Module):
         Called outside a module it is unbound: `stack.apply({"params": p}, x, False)` with
         `p` a `[num_units, ...]` slice of `params["layers"]` runs those layers.
         """
-        block = dict(
+        attention = dict(
             n_heads=self.n_heads,
-            d_ff=self.d_ff,
-            norm=self.norm,
-            mlp=self.mlp,
             rotary=Rotary(self.rope_theta, self.rope_scaling) if self.positions == "rotary" else None,
-            out_std=_INIT_STD / math.sqrt(2 * self.n_layers),
-            param_dtype=self.param_dtype,
-            dtype=self.dtype,
             sparse=self.sparse_attention,
             sparse_impl=self.sparse_impl,
             attention_impl=self.attention_impl,
@@ -685,9 +667,18 @@ class GPT(nn.Module):
             sequence_parallel=self.sequence_parallel,
             load_balance=self.balanced,
             n_kv_heads=self.n_kv_heads,
-            norm_eps=self.norm_eps,
             decode=self.decode,
             cache_len=self.max_seq_len,
+        )
+        block = dict(
+            d_ff=self.d_ff,
+            norm=self.norm,
+            mlp=self.mlp,
+            out_std=_INIT_STD / math.sqrt(2 * self.n_layers),
+            attention=attention,
+            param_dtype=self.param_dtype,
+            dtype=self.dtype,
+            norm_eps=self.norm_eps,
             moe=self.moe,
         )
         unit_cls, kwargs = Block, block
