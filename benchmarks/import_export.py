@@ -2,24 +2,26 @@
 
 A random-weight Llama folder is written locally (no download): by default Llama 3.2 1B's
 shapes (hidden 2048, 16 layers, 32 heads, 8 key/value heads, d_ff 8192, vocab 128256, tied
-embeddings; 1.24B parameters), fp32, in 5 GB-ish of safetensors shards with an index. Then,
-each repeated and the median taken:
+embeddings; 1.24B parameters) in its dtype, bfloat16 (`--dtype float32` doubles the bytes), as
+1 GB safetensors shards with an index. Then, each repeated and the median taken:
 
 - **raw**: `safetensors.numpy.load_file` of every shard (the files' bytes into numpy);
-- **import**: `jaxspeed.hf.import_hf` (read, transpose, stack the layers, write an Orbax
-  params checkpoint, complete on disk);
-- **export**: `jaxspeed.hf.export_hf` of that checkpoint (Orbax read, transpose back, write
-  the safetensors shards and index).
+- **import**: `jaxspeed.hf.import_hf` (read, transpose, stack the layers, write the params
+  checkpoint, complete on disk);
+- **export**: `jaxspeed.hf.export_hf` of that checkpoint (read, transpose back, write the
+  safetensors shards and index).
 
 Throughput is the safetensors bytes over the wall time, in MB/s. Each line's ratio is the
 conversion's throughput over the raw read's (higher is better); the target is >= 0.5. The
 headline is the slower of import and export. Files are in the system temp folder (page cache
-warm for every reader alike) and deleted afterwards. `--quick` uses a few-MB model.
+warm for every reader alike); each repeat's output is deleted before the next, so that the
+page cache holds the same files for every measurement. `--quick` uses a few-MB model.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -42,9 +44,11 @@ QUICK = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
 TARGET = 0.5
 
 
-def write_random_llama(folder: Path, case: dict) -> int:
-    """Writes config.json and fp32 random shards (with an index); returns the tensor bytes."""
+def write_random_llama(folder: Path, case: dict, dtype: str = "float32") -> int:
+    """Writes config.json and random shards (with an index); returns the tensor bytes."""
     import numpy as np
+
+    from jaxspeed.hf.convert import DTYPES
 
     from jaxspeed.hf import files as hf_files
     from jaxspeed.hf.config import hf_from_model
@@ -58,7 +62,8 @@ def write_random_llama(folder: Path, case: dict) -> int:
              "rms_norm_eps": 1e-5}
     rng = np.random.default_rng(0)
     shapes = hf_shapes(model)
-    tensors = {name: rng.random(shape, dtype=np.float32) for name, shape in shapes.items()}
+    tensors = {name: rng.random(shape, dtype=np.float32).astype(DTYPES[dtype], copy=False)
+               for name, shape in shapes.items()}
     layout: dict[str, list[str]] = {}
     size, shard = 0, 0
     for name in shapes:  # HF's order: fill a shard up to shard_bytes, then start the next
@@ -71,7 +76,7 @@ def write_random_llama(folder: Path, case: dict) -> int:
     files = {f"model-{i + 1:05d}-of-{count:05d}.safetensors": names for i, names in layout.items()}
     folder.mkdir(parents=True)
     hf_files.write_tensors(folder, tensors, files=files)
-    hf_files.write_json(folder / hf_files.CONFIG, hf_from_model(model, dtype="float32"))
+    hf_files.write_json(folder / hf_files.CONFIG, hf_from_model(model, dtype=dtype))
     return sum(t.nbytes for t in tensors.values())
 
 
@@ -82,12 +87,17 @@ def raw_read(folder: Path) -> None:
         load_file(str(path))
 
 
-def median_seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int, *, output=None) -> float:
+    """The median wall time of `fn(i)`; `output(i)`, where given, is deleted after each repeat
+    but the first (which later steps read)."""
     times = []
     for i in range(repeats):
+        os.sync()  # start each with no dirty pages left by the last: it times this step's writes
         start = time.perf_counter()
         fn(i)
         times.append(time.perf_counter() - start)
+        if output is not None and i:
+            shutil.rmtree(output(i))
     return statistics.median(times)
 
 
@@ -95,28 +105,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few-MB model (tests)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the files' dtype (Llama 3.2 1B ships bfloat16)")
     args = parser.parse_args()
     case = QUICK if args.quick else FULL
     repeats = args.repeats or case["repeats"]
-    import os
-
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jaxspeed.hf import export_hf, import_hf
 
     work = Path(tempfile.mkdtemp(prefix="jaxspeed-import-export-"))
     try:
         source = work / "source"
-        nbytes = write_random_llama(source, case)
+        nbytes = write_random_llama(source, case, args.dtype)
         mb = nbytes / 1e6
         raw = median_seconds(lambda i: raw_read(source), repeats)
-        imported = median_seconds(lambda i: import_hf(source, work / f"ckpt{i}"), repeats)
-        exported = median_seconds(lambda i: export_hf(work / "ckpt0", work / f"hf{i}"), repeats)
+        imported = median_seconds(lambda i: import_hf(source, work / f"ckpt{i}"), repeats,
+                                  output=lambda i: work / f"ckpt{i}")
+        exported = median_seconds(lambda i: export_hf(work / "ckpt0", work / f"hf{i}"), repeats,
+                                  output=lambda i: work / f"hf{i}")
         same = all((work / "hf0" / p.name).read_bytes() == p.read_bytes()
                    for p in source.iterdir() if p.suffix == ".safetensors")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    params = nbytes // 4
-    shape = (f"{params / 1e9:.2f}B params fp32, hidden {case['hidden_size']}, "
+    params = nbytes // (2 if args.dtype == "bfloat16" else 4)
+    shape = (f"{params / 1e9:.2f}B params {args.dtype}, hidden {case['hidden_size']}, "
              f"{case['num_hidden_layers']} layers, vocab {case['vocab_size']}")
     rows, lines = [], []
     for what, seconds in (("import", imported), ("export", exported)):

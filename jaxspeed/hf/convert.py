@@ -8,6 +8,8 @@ same `config.json`, safetensors files and index, byte for byte.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from jaxspeed import params_checkpoint
 from jaxspeed.checkpoint import CheckpointError
 from jaxspeed.hf import files as hf_files
 from jaxspeed.hf.config import check_exportable, hf_from_model, model_from_hf
-from jaxspeed.hf.weights import check_names, hf_from_params, params_from_hf
+from jaxspeed.hf.weights import check_names, fill_params, hf_from_params, param_shapes
 
 #: `--dtype` choices.
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -50,11 +52,6 @@ def import_hf(folder: str | Path, out: str | Path, *, dtype: str | None = None) 
     model = model_from_hf(config, source=str(folder / hf_files.CONFIG))
     files, index_metadata = hf_files.tensor_files(folder)
     check_names(set(files), model, source=str(folder))
-    with hf_files.tensor_reader(files) as read:
-        params = params_from_hf(
-            (lambda name: read(name).astype(cast, copy=False)) if cast is not None else read,
-            model, source=str(folder),
-        )
     layout: dict[str, list[str]] = {}
     for name, path in files.items():
         layout.setdefault(path.name, []).append(name)
@@ -69,27 +66,31 @@ def import_hf(folder: str | Path, out: str | Path, *, dtype: str | None = None) 
     }
     if cast is not None:
         hf["config"] = {**config, "dtype" if "dtype" in config else "torch_dtype": str(cast)}
-    return params_checkpoint.save_params(out, params, model=model, extra={"source": str(folder), "hf": hf})
+    with hf_files.tensor_reader(files) as read:
+        shapes = param_shapes(model, cast or read("model.norm.weight").dtype)
+        with params_checkpoint.writing(out, shapes, model=model, extra={"source": str(folder), "hf": hf}) as into:
+            fill_params(read, model, into, source=str(folder))
+    return Path(out)
 
 
-def _restore_params_checkpoint(directory: Path) -> tuple[Any, dict[str, Any], dict | None]:
-    record = params_checkpoint.read_record(directory)
-    check_exportable(record["model"])
-    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    target = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu),
-        params_checkpoint.saved_shapes(directory),
-    )
-    return params_checkpoint.restore_params(directory, target), record["model"], record.get("hf")
+@contextmanager
+def _open_checkpoint(directory: Path, step: int | None) -> Iterator[tuple[Any, dict[str, Any], dict | None]]:
+    """(params, `model:` keys, the import's HF record or None) of either kind of checkpoint.
 
-
-def _restore_train_checkpoint(directory: Path, step: int | None) -> tuple[Any, dict[str, Any], None]:
+    A params checkpoint's params are lazy slices of its file, read one layer at a time by the
+    conversion; a train checkpoint's are restored onto this host (`export.load_trained`).
+    """
+    if params_checkpoint.is_params_checkpoint(directory):
+        record = params_checkpoint.read_record(directory)
+        check_exportable(record["model"])
+        yield params_checkpoint.open_params(directory), record["model"], record.get("hf")
+        return
     from jaxspeed.export import load_trained
 
     engine, state = load_trained(directory, step=step, devices=jax.devices()[:1])
     model = engine.config.to_dict()["model"]
     check_exportable(model)
-    return state.params, model, None
+    yield jax.device_get(state.params), model, None
 
 
 def export_hf(
@@ -109,13 +110,8 @@ def export_hf(
     checkpoint, out, cast = Path(checkpoint), Path(out), _dtype(dtype)
     if not checkpoint.is_dir():
         raise CheckpointError(f"checkpoint directory {checkpoint} does not exist")
-    if params_checkpoint.is_params_checkpoint(checkpoint):
-        params, model, hf = _restore_params_checkpoint(checkpoint)
-    else:
-        params, model, hf = _restore_train_checkpoint(checkpoint, step)
-    tensors = hf_from_params(jax.device_get(params), model)
-    if cast is not None:
-        tensors = {name: t.astype(cast, copy=False) for name, t in tensors.items()}
+    with _open_checkpoint(checkpoint, step) as (params, model, hf):
+        tensors = hf_from_params(params, model, dtype=cast)
     saved_dtype = {str(t.dtype) for t in tensors.values()}.pop()
     hf = hf if hf is not None and set(tensors) == {n for ns in hf["files"].values() for n in ns} else None
     out.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,10 @@ tensors with the same metadata give the same bytes.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,9 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 #: HF's metadata on every file it saves from PyTorch (`from_pretrained` checks `format`).
 FILE_METADATA = {"format": "pt"}
-# safetensors dtypes numpy has; the others (BF16, F8_*) are read through its Flax backend.
-_NUMPY_DTYPES = {"F64", "F32", "F16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL"}
+# safetensors dtypes its numpy backend reads (BF16 as `ml_dtypes.bfloat16`, which jax registers);
+# the others (F8_*) are read through its Flax backend.
+_NUMPY_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL"}
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -77,31 +80,60 @@ def _open(path: Path, framework: str = "np"):
         raise CheckpointError(f"{path} is not a valid safetensors file: {err}") from err
 
 
-@contextmanager
-def tensor_reader(files: Mapping[str, Path]) -> Iterator:
-    """A function `name -> numpy array` over the folder's files, each opened once.
+class Tensor:
+    """One tensor of a safetensors file, read only where indexed: `t[a:b]` reads those rows,
+    `np.asarray(t)` all of it."""
 
-    bfloat16 and fp8 tensors, which numpy lacks, come through the Flax backend onto the host
-    CPU (as `ml_dtypes` arrays).
+    def __init__(self, path: Path, name: str, handle, whole: Callable[[], np.ndarray] | None):
+        self.path, self.name, self._slice, self._whole = path, name, handle.get_slice(name), whole
+        self.shape = tuple(self._slice.get_shape())
+
+    def __getitem__(self, index) -> np.ndarray:
+        try:
+            return self._whole()[index] if self._whole is not None else self._slice[index]
+        except Exception as err:  # noqa: BLE001 - truncated or malformed tensor data
+            raise CheckpointError(f"{self.path}: cannot read tensor {self.name}: {err}") from err
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self[...] if self.shape else self[()]
+        return whole if dtype is None else whole.astype(dtype)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self[:0].dtype if self.shape else np.asarray(self).dtype
+
+
+@contextmanager
+def tensor_reader(files: Mapping[str, Path]) -> Iterator[Callable[[str], Tensor]]:
+    """A function `name -> Tensor` over the folder's files, each opened once; it may be called
+    from several threads at once.
+
+    bfloat16 comes through safetensors' numpy backend as `ml_dtypes.bfloat16`; fp8, which that
+    backend lacks, through its Flax backend onto the host CPU (read whole).
     """
     with ExitStack() as stack:
-        handles: dict[Path, Any] = {}
+        handles: dict[Any, Any] = {}
         cpu = jax.local_devices(backend="cpu")[0]
+        opening = threading.Lock()
 
-        def read(name: str) -> np.ndarray:
+        def handle(path: Path, framework: str = "np"):
+            with opening:
+                if (path, framework) not in handles:
+                    handles[path, framework] = stack.enter_context(_open(path, framework))
+                return handles[path, framework]
+
+        def through_flax(path: Path, name: str) -> np.ndarray:
+            with jax.default_device(cpu):
+                return np.asarray(handle(path, "flax").get_tensor(name))
+
+        def read(name: str) -> Tensor:
             path = files[name]
-            if path not in handles:
-                handles[path] = stack.enter_context(_open(path))
-            f = handles[path]
+            f = handle(path)
             try:
-                if f.get_slice(name).get_dtype() in _NUMPY_DTYPES:
-                    return f.get_tensor(name)
-                if (path, "flax") not in handles:
-                    handles[path, "flax"] = stack.enter_context(_open(path, "flax"))
-                with jax.default_device(cpu):
-                    return np.asarray(handles[path, "flax"].get_tensor(name))
-            except Exception as err:  # noqa: BLE001 - truncated or malformed tensor data
+                numpy_reads = f.get_slice(name).get_dtype() in _NUMPY_DTYPES
+            except Exception as err:  # noqa: BLE001 - a malformed header entry
                 raise CheckpointError(f"{path}: cannot read tensor {name}: {err}") from err
+            return Tensor(path, name, f, None if numpy_reads else partial(through_flax, path, name))
 
         yield read
 
