@@ -13,10 +13,13 @@ instruction with its bytes and executions; `collective_bytes` sums them by kind.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import defaultdict
-from typing import Any, NamedTuple
+from typing import Any
+
+import numpy as np
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -38,6 +41,12 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([^\s,)]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+# The forms of a collective's device groups in XLA's HLO text (see `_groups`).
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*)\))?\s*\{([^}]*)\}"
+)
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LIST_GROUPS = re.compile(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
 
 
 def _dtype_bytes(name: str) -> int:
@@ -68,22 +77,70 @@ def _split_type(rest: str) -> tuple[str, str]:
     return type_text, tail.strip()
 
 
-def _group_size(line: str, num_devices: int) -> int:
-    groups = re.search(r"replica_groups=(\S+)(?:\s+\{([^}]*)\})?", line)
-    if groups is None:
-        return num_devices
-    text, axes = groups.group(1), groups.group(2)
-    if text.startswith("mesh["):
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", text))
-        names = re.findall(r"'([^']+)'", axes or "")
-        return math.prod(int(sizes[n]) for n in names if n in sizes) or num_devices
-    iota = re.match(r"\[(\d+),(\d+)\]<=", text)
+def _ints(text: str) -> list[int]:
+    return [int(i) for i in re.findall(r"\d+", text)]
+
+
+def _mesh_groups(axes_text: str, device_ids: str | None, refs_text: str) -> np.ndarray:
+    """Groups of `mesh['data'=8,'tensor'=2] {'data':(1)2,'tensor'}`, as XLA flattens them.
+
+    A reference `'axis':(p)s` is a sub-axis of size s below a major part of size p: index i
+    along an axis of size n has coordinate `i // (n / (p·s)) % s` on it. Each mesh axis is
+    reshaped into its referenced
+    sub-axes (with filler dimensions between), the referenced ones are moved last in the order
+    written, and every `group size` consecutive ids form a group
+    (`MeshAxesReplicaGroupList::flattened_replica_groups` in XLA).
+    """
+    sizes = [(name, int(n)) for name, n in re.findall(r"'([^']+)'=(\d+)", axes_text)]
+    names = [name for name, _ in sizes]
+    refs = [
+        (names.index(name), int(pre or 1), int(size) if size else None)
+        for name, pre, size in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", refs_text)
+    ]
+    dims: list[int] = []
+    grouped = [0] * len(refs)
+    for axis, (_, n) in enumerate(sizes):
+        prefix = 1
+        on_axis = [r for r, ref in enumerate(refs) if ref[0] == axis]
+        for r in sorted(on_axis, key=lambda r: refs[r][1]):
+            _, pre, size = refs[r]
+            if pre != prefix:
+                dims.append(pre // prefix)
+                prefix = pre
+            grouped[r] = len(dims)
+            dims.append(size or n)
+            prefix *= size or n
+        if prefix != n:
+            dims.append(n // prefix)
+    ids = np.array(_ints(device_ids)) if device_ids else np.arange(math.prod(n for _, n in sizes))
+    order = [d for d in range(len(dims)) if d not in grouped] + grouped
+    size = math.prod(dims[d] for d in grouped)
+    return ids.reshape(dims).transpose(order).reshape(-1, size)
+
+
+def _groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    """The device groups of a collective: its replica groups, or its (source, target) pairs.
+
+    Reads every form XLA prints: `mesh[...] {axes}` (what jax 0.12 emits for shard_map and most
+    SPMD collectives), iota `[groups,size]<=[dims]T(perm)` (the ids `iota(prod(dims))` reshaped
+    to `dims`, transposed by `perm`, reshaped to `[groups, size]`), explicit `{{0,1},{2,3}}`,
+    and `source_target_pairs={{0,1},{1,2}}`. No groups (or `{}`) means all devices.
+    """
+    mesh = _MESH_GROUPS.search(line)
+    if mesh:
+        return tuple(map(tuple, _mesh_groups(*mesh.groups()).tolist()))
+    iota = _IOTA_GROUPS.search(line)
     if iota:
-        return int(iota.group(2))
-    first = re.match(r"\{\{([^}]*)\}", text)
-    if first:
-        return len(first.group(1).split(","))
-    return num_devices
+        count, size, dims, perm = iota.groups()
+        shape = _ints(dims)
+        ids = np.arange(math.prod(shape)).reshape(shape)
+        ids = ids.transpose(_ints(perm)) if perm else ids
+        return tuple(map(tuple, ids.reshape(int(count), int(size)).tolist()))
+    listed = _LIST_GROUPS.search(line)
+    groups = re.findall(r"\{([\d,]*)\}", listed.group(1)) if listed else []
+    if groups:
+        return tuple(tuple(_ints(group)) for group in groups)
+    return (tuple(range(num_devices)),)
 
 
 def _collective(op: str) -> tuple[str, bool] | None:
@@ -96,9 +153,7 @@ def _collective(op: str) -> tuple[str, bool] | None:
     return None
 
 
-def _instruction_bytes(
-    kind: str, is_start: bool, type_text: str, line: str, num_devices: int
-) -> int:
+def _instruction_bytes(kind: str, is_start: bool, type_text: str, group_size: int) -> int:
     sizes = _array_bytes(type_text)
     if is_start and kind != "all-reduce":
         # async starts return (operands..., outputs..., contexts...): drop the u32/s32 scalar
@@ -107,18 +162,25 @@ def _instruction_bytes(
         sizes = sizes[len(sizes) // 2 :]
     total = sum(sizes)
     if kind == "reduce-scatter":
-        total *= _group_size(line, num_devices)
+        total *= group_size
     return total
 
 
-class Collective(NamedTuple):
-    """One collective instruction of a compiled program and how often one run executes it."""
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program and how often one run executes it.
+
+    `groups` is where it runs rather than what it moves, so it takes no part in equality: a
+    `Collective` written without groups equals the parsed one.
+    """
 
     kind: str  #: one of `COLLECTIVES`
     name: str  #: the HLO instruction, e.g. "all-reduce.52"
     computation: str  #: the HLO computation that holds it
     bytes: int  #: per device and per execution, in the convention of `collective_bytes`
     executions: int  #: per run: loop trip counts multiplied, each conditional branch once
+    #: the replica groups of partition ids, or `(source, target)` pairs for collective-permute
+    groups: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, compare=False)
 
 
 def collectives(hlo_text: str, *, num_devices: int = 1) -> list[Collective]:
@@ -129,10 +191,10 @@ def collectives(hlo_text: str, *, num_devices: int = 1) -> list[Collective]:
       num_devices: devices of the program (for collectives without explicit replica groups).
 
     Returns:
-      One `Collective` per instruction, in the order of the text; `bytes * executions` summed
-      by kind is `collective_bytes`.
+      One `Collective` per instruction, in the order of the text, with its device groups;
+      `bytes * executions` summed by kind is `collective_bytes`.
     """
-    own: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
+    own: dict[str, list[tuple[str, str, int, tuple[tuple[int, ...], ...]]]] = defaultdict(list)
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -150,8 +212,9 @@ def collectives(hlo_text: str, *, num_devices: int = 1) -> list[Collective]:
         op = tail.partition("(")[0]
         found = _collective(op)
         if found is not None:
-            nbytes = _instruction_bytes(*found, type_text, tail, num_devices)
-            own[current].append((found[0], name, nbytes))
+            groups = _groups(tail, num_devices)
+            nbytes = _instruction_bytes(*found, type_text, len(groups[0]))
+            own[current].append((found[0], name, nbytes, groups))
         trips = _TRIP_COUNT.search(tail)
         for role, callee in _CALLEE.findall(tail):
             calls[current].append((callee, int(trips.group(1)) if role == "body" and trips else 1))
@@ -171,10 +234,10 @@ def collectives(hlo_text: str, *, num_devices: int = 1) -> list[Collective]:
     if entry is not None:
         visit(entry, 1)
     return [
-        Collective(kind, name, computation, nbytes, executions[computation])
+        Collective(kind, name, computation, nbytes, executions[computation], groups)
         for computation, found in own.items()
         if executions.get(computation)
-        for kind, name, nbytes in found
+        for kind, name, nbytes, groups in found
     ]
 
 

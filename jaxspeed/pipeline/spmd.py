@@ -273,7 +273,14 @@ def _pipeline_body(
         carry, _ = lax.scan(step_train if mode == "train" else step_forward, carry, rows)
 
         def from_device(tree, d):
-            return lax.psum(jax.tree.map(lambda a: jnp.where(device == d, a, 0), tree), axis)
+            # 16-bit values are summed in fp32: exact (one device is non-zero), and XLA:CPU's
+            # all-reduce promotion crashes on this bf16 psum under the mesh's sharding
+            # annotations (jax 0.12: "Invalid binary instruction opcode copy").
+            def one(a):
+                wide = a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4 else a
+                return lax.psum(jnp.where(device == d, wide, 0), axis).astype(a.dtype)
+
+            return jax.tree.map(one, tree)
 
         if mode == "outputs":
             return from_device(carry["out"], stages - 1)

@@ -1,0 +1,1 @@
+"""jaxspeed plan --auto: search parallel plans for a cluster."""

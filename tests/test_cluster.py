@@ -1,0 +1,151 @@
+"""Cluster descriptions: the presets, one-line errors, YAML round trips, and `calibrate`."""
+
+import math
+
+import jax
+import pytest
+import yaml
+
+from jaxspeed.autoplan.calibrate import QUICK, calibrate, main
+from jaxspeed.autoplan.cluster import (
+    PRESETS,
+    Cluster,
+    available_presets,
+    load_cluster,
+    save_cluster,
+)
+from jaxspeed.errors import ConfigError, JaxspeedError
+
+DEVICES = {"8xh100-nvlink": 8, "dgx-h100-ib-x16": 128, "v100-32g-x800": 800, "8xa100-10gbe-x8": 64}
+
+
+def _preset_dict(name: str) -> dict:
+    return yaml.safe_load((PRESETS / f"{name}.yaml").read_text())
+
+
+def test_available_presets():
+    assert available_presets() == sorted(DEVICES)
+
+
+@pytest.mark.parametrize("name", sorted(DEVICES))
+def test_preset_loads_with_its_device_count(name):
+    cluster = load_cluster(name)
+    assert cluster.name == name
+    assert cluster.devices == DEVICES[name]
+    assert cluster.device_memory_bytes >= 32 * 2**30
+    assert cluster.host_memory_bytes > cluster.device_memory_bytes
+    assert cluster.peak_flops("bf16") > cluster.peak_flops("fp32") > 0
+    assert cluster.intra_host.bandwidth_gbps > cluster.inter_host.bandwidth_gbps > 0
+
+
+def test_preset_figures():
+    v100 = load_cluster("v100-32g-x800")
+    assert (v100.hosts, v100.devices_per_host) == (50, 16)
+    assert v100.peak_flops("float16") == v100.peak_flops("bfloat16") == 125e12
+    assert v100.inter_host.bandwidth_gbps == 800 / 8 / 16  # 8 x 100 Gb/s per 16-GPU node
+    slow = load_cluster("8xa100-10gbe-x8")
+    assert slow.inter_host.bandwidth_gbps == pytest.approx(1.25 / 8)  # one 10 GbE NIC, 8 GPUs
+    assert slow.peak_flops("float32") == 156e12
+    assert load_cluster("8xh100-nvlink").device_memory_bytes == 80 * 2**30
+
+
+def test_load_by_path(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text((PRESETS / "8xh100-nvlink.yaml").read_text())
+    assert load_cluster(path) == load_cluster(str(path)) == load_cluster("8xh100-nvlink")
+
+
+def test_unknown_preset_is_one_line_naming_the_presets():
+    with pytest.raises(ConfigError) as info:
+        load_cluster("8xh100")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "did you mean '8xh100-nvlink'" in message
+    assert all(name in message for name in DEVICES)
+
+
+def test_zero_bandwidth_is_one_line_naming_the_key(tmp_path):
+    raw = _preset_dict("8xa100-10gbe-x8")
+    raw["inter_host"]["bandwidth_gbps"] = 0
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as info:
+        load_cluster(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message == f"cluster {path}: inter_host.bandwidth_gbps must be > 0, got 0"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        (("intra_host", "bandwith_gbps"), 1.0, "intra_host.bandwith_gbps is not a key (did you "
+                                               "mean 'bandwidth_gbps'?)"),
+        (("efficiency",), 1.5, "efficiency must be <= 1, got 1.5"),
+        (("hosts",), "2", "hosts: Input should be a valid integer, got '2'"),
+        (("device_memory",), "80 parsecs", "device_memory: cannot parse byte size '80 parsecs'"),
+        (("peak_tflops", "fp32"), -1, "peak_tflops.fp32 must be > 0, got -1"),
+    ],
+)  # fmt: skip
+def test_bad_value_names_key_and_value(tmp_path, key, value, expected):
+    raw = _preset_dict("8xh100-nvlink")
+    section = raw
+    for part in key[:-1]:
+        section = section[part]
+    section[key[-1]] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="^cluster ") as info:
+        load_cluster(path)
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_key_is_named(tmp_path):
+    raw = _preset_dict("8xh100-nvlink")
+    del raw["inter_host"]
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="inter_host is required"):
+        load_cluster(path)
+
+
+def test_peak_flops_rejects_unknown_dtype():
+    with pytest.raises(ConfigError, match="'int8'.*accepted: bf16"):
+        load_cluster("8xh100-nvlink").peak_flops("int8")
+
+
+@pytest.mark.parametrize("name", sorted(DEVICES))
+def test_save_load_round_trip(tmp_path, name):
+    cluster = load_cluster(name)
+    path = save_cluster(cluster, tmp_path / "sub" / f"{name}.yaml", comment="a\nb")
+    assert path.read_text().startswith("# a\n# b\n")
+    assert load_cluster(path) == cluster
+
+
+def test_calibrate_measures_the_cpu_devices(tmp_path):
+    cluster = main(tmp_path / "here.yaml", **QUICK)
+    assert isinstance(cluster, Cluster)
+    assert (cluster.hosts, cluster.devices_per_host) == (1, 8)
+    figures = [
+        cluster.peak_flops("bf16"),
+        cluster.peak_flops("fp32"),
+        cluster.intra_host.bandwidth_gbps,
+        cluster.intra_host.latency_us,
+        cluster.device_memory_bytes,
+        cluster.host_memory_bytes,
+    ]
+    assert all(math.isfinite(value) and value > 0 for value in figures), figures
+    assert cluster.inter_host == cluster.intra_host
+    assert cluster.device_memory_bytes * 8 <= cluster.host_memory_bytes
+    assert load_cluster(tmp_path / "here.yaml") == cluster
+
+
+def test_calibrate_needs_two_devices():
+    with pytest.raises(JaxspeedError, match="at least 2 devices"):
+        calibrate(jax.devices()[:1], **QUICK)
+
+
+def test_calibrate_rejects_bad_sizes():
+    with pytest.raises(JaxspeedError, match="repeats must be a positive number, got 0"):
+        calibrate(repeats=0)
