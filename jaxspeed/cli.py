@@ -1,4 +1,4 @@
-"""`jaxspeed train | plan | bench | export | import-hf | sample | tokenize | tokenizer | launch`: thin shells over the library.
+"""`jaxspeed train | plan | calibrate | bench | export | import-hf | sample | tokenize | tokenizer | launch`: thin shells over the library.
 
 JAX is imported only after the flags are read, so `--cpu-devices` can still set the number of
 emulated CPU devices. Errors caused by input are printed as one line, with exit code 2.
@@ -53,6 +53,29 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show the sharding plan and per-device memory")
     _common(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument(
+        "--auto", action="store_true",
+        help="search meshes, ZeRO stages, remat, micro-batches, schedules and offload for "
+        "--cluster and rank them by predicted step time (the config's model and "
+        "train_batch_size are kept)",
+    )
+    plan.add_argument("--cluster", default=None, metavar="NAME|FILE",
+                      help="with --auto: a preset in configs/clusters/ or a cluster YAML "
+                      "(`jaxspeed calibrate` writes one for this machine)")
+    plan.add_argument("--top", type=int, default=5, metavar="N", help="with --auto: plans to show")
+    plan.add_argument("--verify", type=int, default=8, metavar="K",
+                      help="with --auto: compile the K analytically best plans (0: analytic only)")
+    plan.add_argument("--apply", default=None, metavar="OUT.yaml",
+                      help="with --auto: write the best plan as a config for `jaxspeed train`")
+    plan.add_argument("--no-progress", action="store_true", help="with --auto: no progress bar")
+
+    calibrate = sub.add_parser(
+        "calibrate", help="measure this machine's matmul rate and collective bandwidth into a cluster file"
+    )
+    calibrate.add_argument("--out", required=True, metavar="FILE", help="cluster YAML to write")
+    calibrate.add_argument("--name", default="calibrated", help="the cluster's name in the file")
+    calibrate.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                           help="emulate N CPU devices")
 
     bench = sub.add_parser("bench", help="run a benchmark from benchmarks/")
     bench.add_argument("name", help="benchmark name, e.g. zero_memory")
@@ -165,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         handlers = {
             "train": _train, "plan": _plan, "bench": _bench, "launch": _launch, "export": _export,
             "import-hf": _import_hf, "sample": _sample,
-            "tokenize": _tokenize, "tokenizer": _tokenizer,
+            "tokenize": _tokenize, "tokenizer": _tokenizer, "calibrate": _calibrate,
         }
         return handlers[args.command](args)
     except JaxspeedError as err:
@@ -195,6 +218,12 @@ def _train(args) -> int:
 
 
 def _plan(args) -> int:
+    from jaxspeed.errors import JaxspeedError
+
+    if args.auto:
+        return _auto_plan(args)
+    if args.cluster or args.apply:
+        raise JaxspeedError("--cluster and --apply go with --auto")
     from jaxspeed.engine import initialize
     from jaxspeed.fit import device_memory, engine_verdict
     from jaxspeed.plan_report import format_plan
@@ -211,6 +240,39 @@ def _plan(args) -> int:
         print(engine.plan.explain())
         print()
         print(format_plan(report))
+    return 0
+
+
+def _auto_plan(args) -> int:
+    from jaxspeed.autoplan.cluster import load_cluster
+    from jaxspeed.autoplan.report import format_table, to_dict, write_config
+    from jaxspeed.autoplan.search import search
+    from jaxspeed.errors import JaxspeedError
+
+    if args.cluster is None:
+        raise JaxspeedError("plan --auto needs --cluster NAME|FILE (see configs/clusters/)")
+    cluster = load_cluster(args.cluster)
+    config = _load(args)
+    ranked = search(config, cluster, top=args.top, verify=args.verify,
+                    progress=not (args.no_progress or args.json))
+    if args.apply:
+        write_config(config, ranked[0], cluster, args.apply)
+    if args.json:
+        print(json.dumps({"cluster": cluster.name, "plans": [to_dict(r) for r in ranked]}))
+    else:
+        print(format_table(ranked, cluster))
+        if args.apply:
+            print(f"wrote {args.apply}: {ranked[0].plan.describe()}")
+    return 0
+
+
+def _calibrate(args) -> int:
+    from jaxspeed.autoplan.calibrate import calibrate
+    from jaxspeed.autoplan.cluster import save_cluster
+
+    cluster = calibrate(name=args.name)
+    save_cluster(cluster, args.out)
+    print(json.dumps({"out": args.out, **cluster.model_dump(mode="json")}))
     return 0
 
 

@@ -54,11 +54,33 @@ LossFn = Callable[[PyTree, PyTree, PyTree], jax.Array]
 # --- Small pytree helpers. ------------------------------------------------------------------
 
 
+def _narrow_float(a) -> bool:
+    return jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4
+
+
+def _wide_psum(a, axis: str):
+    """`lax.psum`, in fp32 for 16-bit floats: more accurate, and XLA:CPU's all-reduce
+    promotion pass aborts the process on a bf16 psum whose reducer carries the mesh's sharding
+    annotation (jax 0.12, "Invalid binary instruction opcode copy", default optimisation
+    level)."""
+    if _narrow_float(a):
+        return lax.psum(a.astype(jnp.float32), axis).astype(a.dtype)
+    return lax.psum(a, axis)
+
+
 def _varying(tree: PyTree, axis: str) -> PyTree:
-    """Marks every leaf as varying over `axis` (scan carries inside shard_map need it)."""
+    """Marks every leaf as varying over `axis` (scan carries inside shard_map need it).
+
+    Under autodiff the cast transposes to a psum over `axis`; a 16-bit leaf is cast through
+    fp32 so that this psum sums in fp32 (see `_wide_psum`).
+    """
 
     def cast(a):
-        return a if axis in jax.typeof(a).mat.varying else lax.pcast(a, axis, to="varying")
+        if axis in jax.typeof(a).mat.varying:
+            return a
+        if _narrow_float(a):
+            return lax.pcast(a.astype(jnp.float32), axis, to="varying").astype(a.dtype)
+        return lax.pcast(a, axis, to="varying")
 
     return jax.tree.map(cast, tree)
 
@@ -273,14 +295,7 @@ def _pipeline_body(
         carry, _ = lax.scan(step_train if mode == "train" else step_forward, carry, rows)
 
         def from_device(tree, d):
-            # 16-bit values are summed in fp32: exact (one device is non-zero), and XLA:CPU's
-            # all-reduce promotion crashes on this bf16 psum under the mesh's sharding
-            # annotations (jax 0.12: "Invalid binary instruction opcode copy").
-            def one(a):
-                wide = a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4 else a
-                return lax.psum(jnp.where(device == d, wide, 0), axis).astype(a.dtype)
-
-            return jax.tree.map(one, tree)
+            return jax.tree.map(lambda a: _wide_psum(jnp.where(device == d, a, 0), axis), tree)
 
         if mode == "outputs":
             return from_device(carry["out"], stages - 1)

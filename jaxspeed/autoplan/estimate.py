@@ -1,0 +1,171 @@
+"""The fast analytic cost of a plan: memory per device, FLOPs, collectives, bubble, step time.
+
+It prunes the search before anything is compiled, so it counts what decides a plan's rank and
+no more (every figure per device, per optimizer step):
+- **State.** Params, gradients and Adam moments in fp32 (4 + 4 + 8 bytes per parameter), split
+  over `pipe` (layers) and `tensor` (everything but norms), and over the ZeRO axes (`data`,
+  `sequence`, `expert`) by stage: 1 splits the moments, 2 the gradients too, 3 the params too.
+  Optimizer offload moves the moments to host memory.
+- **Activations.** Per layer and token of a micro-batch, in the compute dtype: what the remat
+  policy keeps (`_SAVED`) plus one layer's working set while it is recomputed, times the
+  microbatches a pipeline stage holds at once (all of them for GPipe, `pipe` for 1F1B); plus
+  the fp32 logits of one micro-batch.
+- **Compute.** 6 FLOPs per parameter per token for the matmuls (8 with full remat, which runs
+  the forward twice) plus attention's 12·L·d per token and layer, divided over the devices
+  that split the work, at the cluster's peak x its efficiency.
+- **Communication.** Per micro-step: ZeRO-3's all-gather of the params (twice, forward and
+  backward) and reduce-scatter of the gradients; tensor parallelism's 4 all-reduces of the
+  activations per layer (6 with full remat); Ulysses' 8 all-to-alls per layer; the pipeline's
+  activation hand-offs. Per step: the gradient all-reduce (stage 0) or reduce-scatter plus
+  all-gather of the params (stages 1-2). Each collective is costed on the link its group
+  crosses (`jaxspeed.autoplan.comm`).
+- **Overlap (the one stated assumption): none.** Step time = compute / (1 - bubble) +
+  communication. On the emulated CPU devices collectives are copies on the same cores, so
+  nothing overlaps; on GPUs XLA overlaps part of it, which makes the model pessimistic for
+  communication-heavy plans by at most the overlapped share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxspeed.autoplan import comm
+from jaxspeed.autoplan.space import Candidate
+from jaxspeed.config import Config
+
+#: Activation bytes a layer keeps per token, in units of d_model x compute-dtype bytes, by
+#: remat policy (the rest is recomputed in the backward pass). `none` keeps every
+#: intermediate: the attention block's inputs, q/k/v, output and the MLP's (counted
+#: separately, per d_ff); `dots...` keeps only the matmul outputs; `full` only the layer input.
+_SAVED = {"none": 10.0, "dots_with_no_batch_dims_saveable": 6.0, "full": 1.0}
+#: ... and per token, in units of d_ff x compute-dtype bytes (the MLP's hidden activations).
+_SAVED_FF = {"none": 3.0, "dots_with_no_batch_dims_saveable": 2.0, "full": 0.0}
+#: One layer's working set while it runs (forward or recomputed), per token, in d_model and
+#: d_ff units, on top of what is saved.
+_WORKING, _WORKING_FF = 10.0, 3.0
+#: Matmul FLOPs per parameter per token: forward 2, backward 4, and one more forward (2) when
+#: every layer is recomputed.
+_FLOPS_PER_PARAM = {"none": 6.0, "dots_with_no_batch_dims_saveable": 6.0, "full": 8.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A plan's predicted cost (per device, per optimizer step)."""
+
+    state_bytes: int  #: params + grads + optimizer state on the device
+    activation_bytes: int
+    host_bytes: int  #: state in host memory (offload)
+    flops: float  #: matmul FLOPs per device per step
+    compute_s: float
+    comm_s: float
+    bubble: float  #: the pipeline's idle fraction
+    step_s: float
+    comm_by_kind: dict[str, float]
+
+    @property
+    def device_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+    @property
+    def bound(self) -> str:
+        """What the step time is mostly made of: compute, network or bubble."""
+        parts = {"compute": self.compute_s, "network": self.comm_s,
+                 "bubble": self.compute_s * self.bubble / max(1e-12, 1 - self.bubble)}
+        return max(parts, key=parts.get)
+
+
+def param_counts(config: Config) -> dict[str, int]:
+    """Parameters of the GPT by where they live: per layer (matmuls, norms) and outside."""
+    m = config.model
+    d, heads = m.d_model, m.n_heads
+    head_dim, kv = d // heads, m.n_kv_heads or heads
+    attention = d * heads * head_dim * 2 + 2 * d * kv * head_dim
+    mlp = (3 if m.mlp == "swiglu" else 2) * d * m.d_ff
+    if m.moe:
+        mlp *= int(m.moe["num_experts"]) // int(m.moe.get("every_n_layers", 1))
+    embed = m.vocab_size * d * (1 if m.tie_embeddings else 2)
+    return {"layer_matmul": attention + mlp, "layer_norm": 2 * d, "embed": embed, "final_norm": d}
+
+
+def _compute_bytes(config: Config) -> int:
+    return 2 if (config.bf16.enabled or config.fp16.enabled) else 4
+
+
+def estimate(config: Config, plan: Candidate, cluster: Any) -> Estimate:
+    """The analytic cost of `plan` for `config`'s model on `cluster` (`Cluster`)."""
+    m, s = config.model, plan.sizes
+    pipe, tensor, seq = s["pipe"], s["tensor"], s["sequence"]
+    zero = s["data"] * s["sequence"] * s["expert"]
+    counts = param_counts(config)
+    layers_here = m.n_layers // pipe
+    params_here = (layers_here * (counts["layer_matmul"] / tensor + counts["layer_norm"])
+                   + counts["embed"] / tensor + counts["final_norm"])
+    p_b, g_b, o_b = 4 * params_here, 4 * params_here, 8 * params_here
+    if plan.stage >= 1:
+        o_b /= zero
+    if plan.stage >= 2:
+        g_b /= zero
+    if plan.stage >= 3:
+        p_b /= zero
+    host = o_b if plan.offload == "optimizer" else 0.0
+    state = p_b + g_b + o_b - host
+
+    act = _compute_bytes(config)
+    tokens_micro = plan.micro_batch * config.data.seq_len / seq  # per device per micro-step
+    per_layer_saved = tokens_micro * act * (_SAVED[plan.remat] * m.d_model / tensor
+                                            + _SAVED_FF[plan.remat] * m.d_ff / tensor)
+    working = tokens_micro * act * (_WORKING * m.d_model / tensor + _WORKING_FF * m.d_ff / tensor)
+    in_flight = 1
+    if pipe > 1:
+        in_flight = plan.accumulation if plan.schedule == "gpipe" else pipe
+    logits = tokens_micro * m.vocab_size / tensor * 4 * 2  # fp32 logits and their gradient
+    activations = in_flight * layers_here * per_layer_saved + working + logits
+
+    tokens_step = plan.micro_batch * plan.accumulation * s["data"] * s["expert"] * config.data.seq_len
+    matmul_params = m.n_layers * counts["layer_matmul"] + m.vocab_size * m.d_model
+    attention = 12 * m.n_layers * config.data.seq_len * m.d_model  # per token: QK^T and PV, x3
+    total_flops = tokens_step * (_FLOPS_PER_PARAM[plan.remat] * matmul_params + attention)
+    flops = total_flops / cluster.devices
+    dtype = "bf16" if act == 2 else "fp32"
+    compute = flops / (cluster.peak_flops(dtype) * cluster.efficiency)
+    bubble = 0.0
+    if pipe > 1:
+        micro = plan.accumulation * (config.pipeline.virtual_stages if plan.schedule == "interleaved" else 1)
+        bubble = (pipe - 1) / (micro + pipe - 1)
+
+    by_kind: dict[str, float] = {}
+
+    def cost(kind: str, nbytes: float, axes: tuple[str, ...], times: float) -> None:
+        axes = tuple(a for a in axes if s[a] > 1)
+        if not axes or nbytes <= 0:
+            return
+        seconds = comm.collective_time(
+            kind, nbytes, axes, s, devices_per_host=cluster.devices_per_host,
+            intra=cluster.intra_host, inter=cluster.inter_host,
+        )
+        by_kind[kind] = by_kind.get(kind, 0.0) + seconds * times
+
+    zero_axes = ("data", "sequence", "expert")
+    full_params = 4 * params_here
+    micro_steps = plan.accumulation
+    if plan.stage == 3:
+        cost("all-gather", full_params, zero_axes, 2 * micro_steps)
+        cost("reduce-scatter", full_params, zero_axes, micro_steps)
+    elif plan.stage == 0:
+        cost("all-reduce", full_params, zero_axes, 1)
+    else:
+        cost("reduce-scatter", full_params, zero_axes, 1)
+        cost("all-gather", full_params, zero_axes, 1)
+    hidden = tokens_micro * m.d_model * act
+    recompute = 1.5 if plan.remat == "full" else 1.0
+    cost("all-reduce", hidden, ("tensor",), 4 * recompute * m.n_layers / pipe * micro_steps)
+    cost("all-to-all", hidden / tensor, ("sequence",), 8 * recompute * m.n_layers * micro_steps)
+    cost("collective-permute", hidden, ("pipe",), 2 * micro_steps)
+    comm_s = sum(by_kind.values())
+    step = compute / (1 - bubble) + comm_s
+    return Estimate(
+        state_bytes=int(state), activation_bytes=int(activations), host_bytes=int(host),
+        flops=flops, compute_s=compute, comm_s=comm_s, bubble=bubble, step_s=step,
+        comm_by_kind=by_kind,
+    )

@@ -1,0 +1,146 @@
+"""The plans `plan --auto` chooses from: meshes, ZeRO stages, remat, batch split, schedules, offload.
+
+A plan is legal when the engine would run it and it respects the cluster's shape:
+- the mesh axes multiply to the cluster's device count;
+- `tensor`, `expert` and `sequence` stay inside a host: their product divides the devices per
+  host (the mesh is row-major with those axes innermost, so their groups are neighbours);
+  `pipe` and `data` take the rest, across hosts;
+- the model splits evenly: heads and key/value heads over `tensor` (and, for Ulysses, over
+  `tensor` x `sequence`), layers over `pipe` (x virtual stages when interleaved), the sequence
+  over `sequence`, experts over `expert` (a dense model keeps `expert` = 1, where it would
+  only be a second name for `data`);
+- the global batch is held fixed: micro-batch x accumulation x (data x expert) = the config's
+  `train_batch_size`, and a pipeline's microbatches are its accumulation steps;
+- the sequence axis is not combined with a pipeline, MoE or 1-bit Adam (the engine refuses
+  them), and parameter offload needs ZeRO-3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from jaxspeed.config import Config, load_config
+from jaxspeed.errors import ConfigError
+from jaxspeed.mesh import AXES
+
+#: Remat policies searched, cheapest memory last.
+REMAT = ("none", "dots_with_no_batch_dims_saveable", "full")
+SCHEDULES = ("1f1b", "interleaved", "gpipe")
+#: Where the optimizer state lives: on the device, or in host memory (ZeRO-Offload).
+OFFLOAD = ("none", "optimizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One plan: the choices `plan --auto` makes, applied to a base config by `apply`."""
+
+    mesh: tuple[tuple[str, int], ...]  #: (axis, size) in `AXES` order
+    stage: int
+    remat: str
+    micro_batch: int  #: rows per data-parallel replica per micro-step
+    accumulation: int
+    schedule: str | None = None  #: pipeline schedule, when `pipe` > 1
+    offload: str = "none"
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    def describe(self) -> str:
+        mesh = " ".join(f"{a}{n}" for a, n in self.mesh if n > 1) or "1 device"
+        parts = [mesh, f"zero{self.stage}", f"remat={self.remat}",
+                 f"mb={self.micro_batch}x{self.accumulation}"]
+        if self.schedule:
+            parts.append(self.schedule)
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
+        return " ".join(parts)
+
+    def overrides(self) -> dict[str, Any]:
+        """The config keys this plan sets (a nested mapping merged over the base config)."""
+        out: dict[str, Any] = {
+            "mesh": self.sizes,
+            "zero_optimization": {"stage": self.stage, "offload_optimizer": {
+                "device": "cpu" if self.offload == "optimizer" else "none"}},
+            "activation_checkpointing": {"policy": self.remat},
+            "train_micro_batch_size_per_device": self.micro_batch,
+            "gradient_accumulation_steps": self.accumulation,
+        }
+        if self.schedule:
+            out["pipeline"] = {"schedule": self.schedule, "num_microbatches": self.accumulation}
+        return out
+
+
+def apply(config: Config, candidate: Candidate) -> Config:
+    """`config` with the plan's choices; everything else (model, data, optimizer) kept."""
+    raw = config.model_dump(by_alias=True, exclude_none=True)
+    _merge(raw, candidate.overrides())
+    return load_config(raw)
+
+
+def _merge(base: dict[str, Any], patch: dict[str, Any]) -> None:
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(config: Config, devices: int, devices_per_host: int) -> Iterator[dict[str, int]]:
+    """Every legal mesh for the model on `devices` (see the module docstring)."""
+    model = config.model
+    heads, kv = model.n_heads, model.n_kv_heads or model.n_heads
+    experts = int(model.moe["num_experts"]) if model.moe else 1
+    batch = config.train_batch_size
+    for tensor, expert, sequence in itertools.product(_divisors(devices_per_host), repeat=3):
+        inner = tensor * expert * sequence
+        if devices_per_host % inner or devices % inner:
+            continue
+        if heads % tensor or kv % tensor or model.d_ff % tensor or experts % expert:
+            continue
+        if sequence > 1 and (model.moe or _onebit(config) or config.data.seq_len % sequence
+                             or heads // tensor % sequence):
+            continue
+        for pipe in _divisors(devices // inner):
+            data = devices // inner // pipe
+            if model.n_layers % pipe or (sequence > 1 and pipe > 1):
+                continue
+            if batch is not None and batch % (data * expert):
+                continue
+            yield {"pipe": pipe, "data": data, "sequence": sequence, "expert": expert, "tensor": tensor}
+
+
+def _onebit(config: Config) -> bool:
+    return config.optimizer.type.lower().replace("_", "") in ("onebitadam", "1bitadam")
+
+
+def candidates(config: Config, devices: int, devices_per_host: int) -> Iterator[Candidate]:
+    """Every legal plan: each mesh x ZeRO stage x remat x batch split x schedule x offload."""
+    if config.train_batch_size is None:
+        raise ConfigError("plan --auto holds the global batch fixed: set train_batch_size")
+    for sizes in meshes(config, devices, devices_per_host):
+        mesh = tuple((a, sizes[a]) for a in AXES)
+        rows = config.train_batch_size // (sizes["data"] * sizes["expert"])
+        for micro in _divisors(rows):
+            accumulation = rows // micro
+            schedules: tuple[str | None, ...] = (None,)
+            if sizes["pipe"] > 1:
+                if accumulation < sizes["pipe"]:
+                    continue  # fewer microbatches than stages: most of the pipeline idles
+                schedules = tuple(
+                    s for s in SCHEDULES
+                    if s != "interleaved" or (
+                        config.model.n_layers % (sizes["pipe"] * config.pipeline.virtual_stages) == 0
+                        and accumulation % sizes["pipe"] == 0)
+                )
+            for stage, remat, schedule, offload in itertools.product(range(4), REMAT, schedules, OFFLOAD):
+                if offload == "optimizer" and stage == 0:
+                    continue  # ZeRO-Offload partitions the state it moves (DeepSpeed: stage >= 1)
+                yield Candidate(mesh, stage, remat, micro, accumulation, schedule, offload)

@@ -1,0 +1,80 @@
+"""`plan --auto`'s search space: every legal mesh and plan, and no illegal one."""
+
+import itertools
+
+import pytest
+
+import jaxspeed as js
+from jaxspeed.autoplan.space import OFFLOAD, REMAT, Candidate, apply, candidates, meshes
+from jaxspeed.mesh import AXES
+
+BASE = ["model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=4", "model.d_ff=64", "model.d_model=32",
+        "data.seq_len=32", "model.max_seq_len=32", "train_batch_size=32"]
+
+
+def all_meshes(devices):
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    for sizes in itertools.product(divisors, repeat=len(AXES)):
+        if sizes[0] * sizes[1] * sizes[2] * sizes[3] * sizes[4] == devices:
+            yield dict(zip(AXES, sizes))
+
+
+def legal(m, *, per_host, heads=4, kv=2, layers=4, seq=32, batch=32, experts=1, d_ff=64):
+    """The rules, written out independently of `meshes`."""
+    inner = m["tensor"] * m["expert"] * m["sequence"]
+    return (per_host % inner == 0 and heads % m["tensor"] == 0 and kv % m["tensor"] == 0
+            and d_ff % m["tensor"] == 0 and experts % m["expert"] == 0 and layers % m["pipe"] == 0
+            and batch % (m["data"] * m["expert"]) == 0
+            and (m["sequence"] == 1 or (m["pipe"] == 1 and experts == 1 and seq % m["sequence"] == 0
+                                        and (heads // m["tensor"]) % m["sequence"] == 0)))
+
+
+@pytest.mark.parametrize("devices,per_host", [(8, 8), (16, 8), (16, 4), (32, 4), (64, 8)])
+def test_meshes_are_exactly_the_legal_factorisations(devices, per_host):
+    config = js.load_config(None, overrides=BASE)
+    found = [tuple(m.values()) for m in meshes(config, devices, per_host)]
+    want = {tuple(m.values()) for m in all_meshes(devices) if legal(m, per_host=per_host)}
+    assert len(found) == len(set(found)) and set(found) == want and want
+
+
+def test_illegal_axes_are_never_proposed():
+    config = js.load_config(None, overrides=BASE)
+    found = list(meshes(config, 16, 4))
+    assert all(m["tensor"] * m["expert"] * m["sequence"] <= 4 for m in found)  # inside a host
+    assert all(m["tensor"] in (1, 2) for m in found)  # 2 key/value heads
+    assert all(m["expert"] == 1 for m in found)  # a dense model
+    moe = js.load_config(None, overrides=[*BASE, "train_batch_size=24", "model.moe={num_experts: 6, k: 2}"])
+    experts = {m["expert"] for m in meshes(moe, 12, 12)}
+    assert experts == {1, 2, 3, 6}  # divisors of 6 experts, never 4 or 12
+    assert all(m["sequence"] == 1 for m in meshes(moe, 12, 12))
+
+
+def test_candidates_hold_the_global_batch_fixed():
+    config = js.load_config(None, overrides=BASE)
+    plans = list(candidates(config, 8, 8))
+    assert plans and len(plans) == len(set(plans))
+    for p in plans:
+        s = p.sizes
+        assert p.micro_batch * p.accumulation * s["data"] * s["expert"] == 32
+        assert (p.schedule is not None) == (s["pipe"] > 1)
+        assert p.offload in OFFLOAD and p.remat in REMAT and not (p.offload == "optimizer" and p.stage == 0)
+        if s["pipe"] > 1:
+            assert p.accumulation >= s["pipe"]
+
+
+def test_apply_sets_the_plan_and_keeps_the_rest():
+    config = js.load_config(None, overrides=[*BASE, "optimizer.params.lr=0.01"])
+    plan = Candidate((("pipe", 2), ("data", 2), ("sequence", 1), ("expert", 1), ("tensor", 2)),
+                     2, "full", 4, 4, "1f1b", "optimizer")
+    out = apply(config, plan)
+    assert out.mesh.model_dump() == {"pipe": 2, "data": 2, "sequence": 1, "expert": 1, "tensor": 2}
+    assert out.zero_optimization.stage == 2 and out.zero_optimization.offload_optimizer.device == "cpu"
+    assert out.activation_checkpointing.policy == "full"
+    assert (out.train_micro_batch_size_per_device, out.gradient_accumulation_steps) == (4, 4)
+    assert out.pipeline.schedule == "1f1b" and out.pipeline.num_microbatches == 4
+    assert out.optimizer.params["lr"] == 0.01 and out.model == config.model
+
+
+def test_needs_a_global_batch():
+    with pytest.raises(js.ConfigError, match="train_batch_size"):
+        list(candidates(js.load_config(None, overrides=BASE[:-1]), 8, 8))
