@@ -17,7 +17,7 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,6 +41,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([^\s,)]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TO_APPLY = re.compile(r"\bto_apply=%?([^\s,)]+)")
 # The forms of a collective's device groups in XLA's HLO text (see `_groups`).
 _MESH_GROUPS = re.compile(
     r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*)\))?\s*\{([^}]*)\}"
@@ -183,19 +184,20 @@ class Collective:
     groups: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, compare=False)
 
 
-def collectives(hlo_text: str, *, num_devices: int = 1) -> list[Collective]:
-    """Every collective instruction that a run of the program reaches, from optimized HLO text.
+class _Instruction(NamedTuple):
+    name: str
+    type_text: str
+    op: str
+    tail: str
 
-    Args:
-      hlo_text: `compiled.as_text()` of a jitted step.
-      num_devices: devices of the program (for collectives without explicit replica groups).
 
-    Returns:
-      One `Collective` per instruction, in the order of the text, with its device groups;
-      `bytes * executions` summed by kind is `collective_bytes`.
-    """
-    own: dict[str, list[tuple[str, str, int, tuple[tuple[int, ...], ...]]]] = defaultdict(list)
+def _parse(hlo_text: str) -> tuple[dict[str, list[_Instruction]], dict[str, int], set[str]]:
+    """HLO text -> (instructions per computation, runs of each computation per program run,
+    the fusion bodies). Runs follow while trip counts (when XLA knows them) and count each
+    conditional branch once."""
+    own: dict[str, list[_Instruction]] = defaultdict(list)
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    fused: set[str] = set()
     entry, current = None, None
     for line in hlo_text.splitlines():
         if not line.startswith((" ", "\t")) and line.rstrip().endswith("{"):
@@ -210,17 +212,17 @@ def collectives(hlo_text: str, *, num_devices: int = 1) -> list[Collective]:
         name, rest = match.groups()
         type_text, tail = _split_type(rest)
         op = tail.partition("(")[0]
-        found = _collective(op)
-        if found is not None:
-            groups = _groups(tail, num_devices)
-            nbytes = _instruction_bytes(*found, type_text, len(groups[0]))
-            own[current].append((found[0], name, nbytes, groups))
+        own[current].append(_Instruction(name, type_text, op, tail))
         trips = _TRIP_COUNT.search(tail)
         for role, callee in _CALLEE.findall(tail):
             calls[current].append((callee, int(trips.group(1)) if role == "body" and trips else 1))
+            if op == "fusion":
+                fused.add(callee)
         for branches in _BRANCHES.findall(tail):
             for callee in branches.split(","):
                 calls[current].append((callee.strip().lstrip("%"), 1))
+        if op == "call":  # a call runs its `to_apply` (a reduction's `to_apply` is no call)
+            calls[current] += [(callee, 1) for callee in _TO_APPLY.findall(tail)]
 
     executions: dict[str, int] = defaultdict(int)  # computation → runs per program run
 
@@ -233,12 +235,92 @@ def collectives(hlo_text: str, *, num_devices: int = 1) -> list[Collective]:
 
     if entry is not None:
         visit(entry, 1)
-    return [
-        Collective(kind, name, computation, nbytes, executions[computation], groups)
-        for computation, found in own.items()
-        if executions.get(computation)
-        for kind, name, nbytes, groups in found
-    ]
+    return own, executions, fused
+
+
+def collectives(hlo_text: str, *, num_devices: int = 1) -> list[Collective]:
+    """Every collective instruction that a run of the program reaches, from optimized HLO text.
+
+    Args:
+      hlo_text: `compiled.as_text()` of a jitted step.
+      num_devices: devices of the program (for collectives without explicit replica groups).
+
+    Returns:
+      One `Collective` per instruction, in the order of the text, with its device groups;
+      `bytes * executions` summed by kind is `collective_bytes`.
+    """
+    own, executions, _ = _parse(hlo_text)
+    found = []
+    for computation, instructions in own.items():
+        if not executions.get(computation):
+            continue
+        for ins in instructions:
+            kind = _collective(ins.op)
+            if kind is None:
+                continue
+            groups = _groups(ins.tail, num_devices)
+            nbytes = _instruction_bytes(*kind, ins.type_text, len(groups[0]))
+            found.append(Collective(kind[0], ins.name, computation, nbytes, executions[computation], groups))
+    return found
+
+
+#: Instructions that move no data of their own (views, bookkeeping, control flow whose bodies
+#: are counted where they run).
+_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+               "conditional", "call", "after-all", "partition-id", "replica-id", "opt-barrier"}
+_OPERANDS = re.compile(r"%([^\s,()]+)")
+
+
+def _updates_in_place(ins: _Instruction, own: dict[str, list[_Instruction]]) -> bool:
+    """A dynamic-update-slice, or a fusion whose result is one: XLA writes the update into
+    the buffer it was given."""
+    if ins.op == "dynamic-update-slice":
+        return True
+    if ins.op != "fusion":
+        return False
+    body = next((c for role, c in _CALLEE.findall(ins.tail) if role == "calls"), None)
+    return bool(own.get(body)) and own[body][-1].op == "dynamic-update-slice"
+
+
+def memory_traffic(hlo_text: str) -> int:
+    """Bytes one run of the program reads and writes in device memory, from optimized HLO text.
+
+    Each instruction outside a fusion reads its operands and writes its result (a fusion's
+    inside stays in registers and cache), as XLA's `cost_analysis()["bytes accessed"]` counts;
+    unlike it, a loop body counts once per iteration, and a conditional counts its costliest
+    branch (one runs).
+    """
+    own, _, _ = _parse(hlo_text)
+    entry = next((c for c in own if f"ENTRY %{c} " in hlo_text or f"ENTRY {c} " in hlo_text), None)
+    memo: dict[str, int] = {}
+
+    def traffic(computation: str, depth: int = 0) -> int:
+        if computation in memo or depth > 64:
+            return memo.get(computation, 0)
+        instructions = own.get(computation, [])
+        sizes = {ins.name: sum(_array_bytes(ins.type_text)) for ins in instructions}
+        total = 0
+        for ins in instructions:
+            if ins.op == "while":
+                trips = _TRIP_COUNT.search(ins.tail)
+                body = sum(traffic(c, depth + 1) for role, c in _CALLEE.findall(ins.tail))
+                total += (int(trips.group(1)) if trips else 1) * body
+            elif ins.op == "conditional":
+                branches = [c.strip().lstrip("%") for b in _BRANCHES.findall(ins.tail) for c in b.split(",")]
+                branches += [c for role, c in _CALLEE.findall(ins.tail)]
+                total += max((traffic(c, depth + 1) for c in branches), default=0)
+            elif ins.op == "call":
+                total += sum(traffic(c, depth + 1) for c in _TO_APPLY.findall(ins.tail))
+            elif ins.op not in _NO_TRAFFIC:
+                operands = [sizes.get(o, 0) for o in _OPERANDS.findall(ins.tail.partition(")")[0])]
+                if _updates_in_place(ins, own):  # only the update moves, not the buffer
+                    total += 2 * sum(n for n in operands if n != sizes[ins.name])
+                else:
+                    total += sizes[ins.name] + sum(operands)
+        memo[computation] = total
+        return total
+
+    return traffic(entry) if entry is not None else 0
 
 
 def collective_bytes(hlo_text: str, *, num_devices: int = 1) -> dict[str, int]:

@@ -62,7 +62,7 @@ def test_search_ranks_compiled_plans_and_apply_runs(cluster, tmp_path):
     assert 1 <= len(ranked) <= 3
     assert [r.step_s for r in ranked] == sorted(r.step_s for r in ranked)
     assert all(r.source == "compiled" and r.device_bytes <= cluster.device_memory_bytes for r in ranked)
-    assert all(r.tokens_per_s > 0 and 0 < r.mfu < 1 and r.bound in ("compute", "network", "bubble")
+    assert all(r.tokens_per_s > 0 and 0 < r.mfu < 1 and r.bound in ("compute", "memory", "network", "bubble")
                for r in ranked)
 
     # --apply: a config `train` runs as is, which passes `plan`'s fit check
@@ -128,3 +128,12 @@ def test_bf16_pipeline_compiles_at_the_default_optimisation_level(tmp_path, sche
                    "--set", f"pipeline.schedule={schedule}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.splitlines()[-1])["mesh"]["pipe"] == 2
+
+
+def test_cli_calibrate_writes_a_cluster_plan_auto_reads(tmp_path, capsys):
+    out = tmp_path / "here.yaml"
+    assert main(["calibrate", "--out", str(out), "--name", "this-box"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cluster = load_cluster(out)
+    assert cluster.name == printed["name"] == "this-box" and cluster.devices == jax.device_count()
+    assert cluster.memory_bandwidth_gbps > 0 and cluster.peak_flops("fp32") > 0

@@ -49,7 +49,7 @@ def check_result(obj: dict, name: str) -> None:
     "name",
     [
         "zero_memory", "overhead", "offload_capacity", "sparse_attention",
-        "onebit_comm", "onebit_convergence", "input_pipeline",
+        "onebit_comm", "onebit_convergence", "input_pipeline", "auto_plan",
     ],
 )
 def test_quick_run_prints_a_result_line(name):

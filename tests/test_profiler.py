@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 import jaxspeed as js
 from jaxspeed.models.gpt import count_params
 from jaxspeed.profiler import (
-    Collective, collective_bytes, collectives, jaxpr_flops, mfu, peak_flops,
+    Collective, collective_bytes, collectives, jaxpr_flops, memory_traffic, mfu, peak_flops,
 )
 
 
@@ -116,3 +116,34 @@ def test_peak_and_mfu():
     assert peak_flops("cpu", 2.0) == 2e12
     assert mfu(1e12, 2.0, 1e12) == 0.5
     assert mfu(1e12, 2.0, None) is None
+
+
+def _traffic(fn, *args):
+    return memory_traffic(jax.jit(fn).lower(*args).compile().as_text())
+
+
+def test_memory_traffic_counts_loops_per_iteration_and_one_branch():
+    x = jnp.ones((256, 256), jnp.float32)
+    once = _traffic(lambda a: jnp.tanh(a) * 3, x)
+    assert 2 * x.nbytes <= once <= 4 * x.nbytes  # read a, write the result (one or two passes)
+
+    def loop(a, n):
+        return jax.lax.fori_loop(0, n, lambda i, b: jnp.tanh(b) * 3, a)
+
+    assert _traffic(lambda a: loop(a, 10), x) >= 8 * _traffic(lambda a: loop(a, 1), x)
+
+    def branches(a, pred):  # one branch runs: the costlier one counts, not both
+        return jax.lax.cond(pred, lambda b: loop(b, 10), lambda b: loop(b, 6), a)
+
+    ten, six = _traffic(lambda a: loop(a, 10), x), _traffic(lambda a: loop(a, 6), x)
+    assert ten <= _traffic(branches, x, True) < ten + six / 2
+
+
+def test_memory_traffic_counts_an_in_place_update_by_its_update():
+    big, row = jnp.ones((4096, 256), jnp.float32), jnp.ones((1, 256), jnp.float32)
+
+    def update(buf, r, i):
+        return jax.lax.dynamic_update_slice(buf, r, (i, 0))
+
+    text = jax.jit(update, donate_argnums=0).lower(big, row, 3).compile().as_text()
+    assert memory_traffic(text) < big.nbytes  # not the whole buffer read and written

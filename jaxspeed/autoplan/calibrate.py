@@ -53,6 +53,8 @@ def calibrate(
     * `device_memory`: the device's allocator limit where it reports one (GPU, TPU); CPU
       devices share host RAM, so there it is RAM / local devices.
     * `host_memory`: physical RAM from `os.sysconf`.
+    * `memory_bandwidth_gbps`: a fused elementwise pass over `collective_mib` MiB per device
+      on every device at once, read plus written.
     * `efficiency` stays 0.5: measuring it needs a training step, not a bare matmul.
 
     Args:
@@ -85,6 +87,7 @@ def calibrate(
         (len(devices),), (_AXIS,), axis_types=(AxisType.Explicit,), devices=devices
     )
     latency_s, bandwidth = _link(mesh, collective_mib * 2**20, repeats)
+    memory = _memory_bandwidth(mesh, collective_mib * 2**20, repeats)
     host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link = {"bandwidth_gbps": bandwidth / 1e9, "latency_us": latency_s * 1e6}
     return Cluster(
@@ -96,6 +99,7 @@ def calibrate(
             "bf16": _matmul_flops(mesh, matmul_size, jnp.bfloat16, repeats) / 1e12,
             "fp32": _matmul_flops(mesh, matmul_size, jnp.float32, repeats) / 1e12,
         },
+        memory_bandwidth_gbps=memory / 1e9,
         intra_host=link,
         inter_host=link,
         host_memory=host_memory,
@@ -140,6 +144,15 @@ def _matmul_flops(mesh: jax.sharding.Mesh, n: int, dtype: Any, repeats: int) -> 
     a = jax.device_put(jnp.ones((count, n, n), dtype), sharding)
     matmuls = jax.jit(lambda x, y: jnp.einsum("bij,bjk->bik", x, y))
     return 2 * n**3 / _median_seconds(matmuls, a, a, repeats=repeats)
+
+
+def _memory_bandwidth(mesh: jax.sharding.Mesh, nbytes: float, repeats: int) -> float:
+    """Bytes/s one device reads plus writes while every device streams an array of `nbytes`
+    through one fused elementwise loop (what most of a step's non-matmul time is)."""
+    per_device = max(1, round(nbytes / 4))
+    x = jax.device_put(jnp.ones((mesh.size, per_device), jnp.float32), NamedSharding(mesh, P(_AXIS)))
+    stream = jax.jit(lambda a: a * 1.5 + 1.0)
+    return 2 * 4 * per_device / _median_seconds(stream, x, repeats=repeats)
 
 
 def _link(mesh: jax.sharding.Mesh, nbytes: float, repeats: int) -> tuple[float, float]:

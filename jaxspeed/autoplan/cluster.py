@@ -81,6 +81,8 @@ class Cluster(_Section):
     device_memory: _Bytes
     peak_tflops: PeakTflops
     efficiency: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.5
+    #: GB/s one device reads plus writes its own memory (HBM; on CPU, RAM shared by all).
+    memory_bandwidth_gbps: Annotated[float, Field(strict=True, gt=0)]
     intra_host: Link
     inter_host: Link
     host_memory: _Bytes

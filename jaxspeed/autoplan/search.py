@@ -3,17 +3,20 @@
 1. Every legal plan (`space.candidates`) is costed analytically (`estimate.estimate`); plans
    whose device memory exceeds the cluster's, or whose offloaded state exceeds host memory,
    are dropped.
-2. The `verify` fastest are compiled, shapes only, as `jaxspeed plan` does. A cluster larger
+2. `verify` of them are compiled, shapes only, as `jaxspeed plan` does: the analytically
+   fastest of each (ZeRO stage, remat) pair first (`_to_verify`). A cluster larger
    than the devices at hand is compiled as a **proxy**: the same plan with `data` shrunk until
    it fits (the micro-batch per device is kept, so every per-device shape, FLOP and activation
    is the real plan's). What the shrink changes is put back analytically: the ZeRO-sharded
    state (divided by the real `data`, not the proxy's) and the collectives over `data`, whose
    per-device bytes are the same but whose group size and links are the real mesh's
    (`comm.step_comm_seconds(scale_axes=...)`). A plan whose other axes alone exceed the
-   devices at hand keeps its analytic figures and is marked so.
-3. Plans are ranked by predicted step time: the compiled FLOPs at the cluster's peak x
-   efficiency, over 1 - bubble, plus the compiled step's collectives on their links (no
-   overlap: see `estimate`).
+   devices at hand keeps its analytic figures, is marked so, and ranks after the compiled
+   ones (the two kinds of figure are not comparable).
+3. Plans are ranked by predicted step time: a roofline of the compiled step (its FLOPs at
+   the cluster's peak x efficiency, or its memory traffic at the memory bandwidth, whichever
+   is longer; `profiler.memory_traffic`), over 1 - bubble, plus the compiled step's
+   collectives on their links (no overlap: see `estimate`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from jaxspeed.autoplan.estimate import Estimate, estimate
 from jaxspeed.autoplan.space import Candidate, apply, candidates
 from jaxspeed.config import Config
 from jaxspeed.errors import ConfigError, JaxspeedError
-from jaxspeed.profiler import collectives
+from jaxspeed.profiler import collectives, memory_traffic
 
 
 @dataclasses.dataclass
@@ -116,14 +119,18 @@ def compiled_cost(config: Config, plan: Candidate, cluster: Any, devices: Sequen
     device_bytes = report["per_device_bytes"]["device"] - _unsharded_by_proxy(report, plan, sizes)
     flops = profile["flops_per_device"]
     dtype = "bf16" if (config.bf16.enabled or config.fp16.enabled) else "fp32"
-    compute = flops / (cluster.peak_flops(dtype) * cluster.efficiency)
+    text = engine.compile_train_step().as_text()
+    # a roofline: the matmuls at the calibrated peak, or the memory traffic, whichever is longer
+    matmul = flops / (cluster.peak_flops(dtype) * cluster.efficiency)
+    traffic = memory_traffic(text) / (cluster.memory_bandwidth_gbps * 1e9)
+    compute = max(matmul, traffic)
     moved = comm.step_comm_seconds(
-        collectives(engine.compile_train_step().as_text(), num_devices=n), sizes, devices_per_host=cluster.devices_per_host,
+        collectives(text, num_devices=n), sizes, devices_per_host=cluster.devices_per_host,
         intra=cluster.intra_host, inter=cluster.inter_host,
         scale_axes={"data": plan.sizes["data"]} if sizes["data"] != plan.sizes["data"] else None,
     )
     step = compute / (1 - real.bubble) + moved["total"]
-    parts = {"compute": compute, "network": moved["total"],
+    parts = {"compute" if matmul >= traffic else "memory": compute, "network": moved["total"],
              "bubble": compute * real.bubble / max(1e-12, 1 - real.bubble)}
     source = "compiled" if sizes == plan.sizes else f"compiled (proxy data={sizes['data']})"
     return _finish(config, cluster, Ranked(plan, real, device_bytes, step, flops,
@@ -133,6 +140,29 @@ def compiled_cost(config: Config, plan: Candidate, cluster: Any, devices: Sequen
 def _fits(est: Estimate, cluster: Any) -> bool:
     host_per_device = cluster.host_memory_bytes / cluster.devices_per_host
     return est.device_bytes <= cluster.device_memory_bytes and est.host_bytes <= host_per_device
+
+
+def _to_verify(fitting: list[tuple[Estimate, Candidate]], verify: int) -> list[tuple[Estimate, Candidate]]:
+    """The `verify` plans to compile, round-robin over (ZeRO stage, remat) pairs in analytic
+    order; within a pair, the best plan of each mesh before any mesh's second.
+
+    The analytic model counts FLOPs and collectives, not memory traffic, which decides
+    between stages, remat policies and meshes on memory-bound devices (there it ties plans
+    that the compiled roofline tells apart); so every pair, and as many meshes as the budget
+    allows, get compiled."""
+    groups: dict[tuple[int, str], list[tuple[Estimate, Candidate]]] = {}
+    for ep in fitting:
+        groups.setdefault((ep[1].stage, ep[1].remat), []).append(ep)
+    for key, group in groups.items():
+        meshes: set = set()
+        firsts = [ep for ep in group if ep[1].mesh not in meshes and not meshes.add(ep[1].mesh)]
+        groups[key] = firsts + [ep for ep in group if ep not in firsts]
+    order = []
+    for rank in range(max(map(len, groups.values()), default=0)):
+        order += [g[rank] for g in groups.values() if rank < len(g)]
+        if len(order) >= verify:
+            break
+    return order[:verify]
 
 
 def search(
@@ -163,6 +193,10 @@ def search(
     costed = [(estimate(config, p, cluster), p)
               for p in track(plans, description="costing plans", disable=not progress)]
     fitting = sorted(((e, p) for e, p in costed if _fits(e, cluster)), key=lambda ep: ep[0].step_s)
+    # ZeRO-Offload buys room, not speed: offer it only where the same plan on the device does not fit
+    on_device = {dataclasses.replace(p, offload="none") for _, p in fitting if p.offload == "none"}
+    fitting = [(e, p) for e, p in fitting
+               if p.offload == "none" or dataclasses.replace(p, offload="none") not in on_device]
     if not fitting:
         est, plan = min(costed, key=lambda ep: ep[0].device_bytes - cluster.device_memory_bytes)
         raise NoPlanFits(
@@ -171,19 +205,21 @@ def search(
             f"(short by {(est.device_bytes - cluster.device_memory_bytes) / 2**30:.1f} GiB)"
         )
     devices = list(devices if devices is not None else jax.devices())
-    ranked = []
-    for i, (est, plan) in enumerate(track(fitting[:max(top, verify)], description="compiling the best",
-                                          disable=not progress or not verify)):
-        compiled = None
-        if i < verify:
-            try:
-                compiled = compiled_cost(config, plan, cluster, devices)
-            except ConfigError:  # a combination the engine refuses that the space let through
-                continue
-        if compiled is None:
-            compiled = _finish(config, cluster, Ranked(plan, est, est.device_bytes, est.step_s,
-                                                       est.flops, est.bound, "analytic"))
-        if compiled.device_bytes <= cluster.device_memory_bytes:
-            ranked.append(compiled)
-    ranked.sort(key=lambda r: r.step_s)
-    return ranked[:top]
+    compiled: list[Ranked] = []
+    for est, plan in track(_to_verify(fitting, verify), description="compiling the best",
+                           disable=not progress or not verify):
+        try:
+            cost = compiled_cost(config, plan, cluster, devices)
+        except ConfigError:  # a combination the engine refuses that the space let through
+            continue
+        if cost is not None and cost.device_bytes <= cluster.device_memory_bytes:
+            compiled.append(cost)
+    # Compiled and analytic times are not comparable (only the compiled roofline sees memory
+    # traffic), so compiled plans rank first; plans too large to emulate here follow them.
+    analytic = [
+        _finish(config, cluster, Ranked(plan, est, est.device_bytes, est.step_s, est.flops, est.bound, "analytic"))
+        for est, plan in fitting[:top]
+        if not compiled or proxy_sizes(plan.sizes, len(devices)) is None  # (verify=0: all)
+    ]
+    compiled.sort(key=lambda r: r.step_s)
+    return (compiled + analytic)[:top]
