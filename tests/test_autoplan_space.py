@@ -78,3 +78,32 @@ def test_apply_sets_the_plan_and_keeps_the_rest():
 def test_needs_a_global_batch():
     with pytest.raises(js.ConfigError, match="train_batch_size"):
         list(candidates(js.load_config(None, overrides=BASE[:-1]), 8, 8))
+
+
+def test_analytic_estimate_follows_the_plan():
+    from jaxspeed.autoplan.cluster import load_cluster
+    from jaxspeed.autoplan.estimate import estimate, param_counts
+
+    config = js.load_config(None, overrides=BASE)
+    cluster = load_cluster("8xh100-nvlink")
+
+    def est(mesh, stage=0, remat="none", micro=4, accumulation=1, schedule=None, offload="none"):
+        plan = Candidate(tuple((a, mesh.get(a, 1)) for a in AXES), stage, remat, micro, accumulation,
+                         schedule, offload)
+        return estimate(config, plan, cluster)
+
+    counts = param_counts(config)
+    total = 4 * counts["layer_matmul"] + 4 * counts["layer_norm"] + counts["embed"] + counts["final_norm"]
+    assert est({"data": 8}).state_bytes == 16 * total  # fp32 params + grads + Adam, replicated
+    states = [est({"data": 8}, stage).state_bytes for stage in range(4)]
+    assert states[0] > states[1] > states[2] > states[3]
+    assert states[3] == pytest.approx(16 * total / 8, rel=1e-6)
+    offloaded = est({"data": 8}, stage=1, offload="optimizer")
+    assert offloaded.host_bytes == pytest.approx(8 * total / 8) and offloaded.state_bytes == 8 * total
+    acts = [est({"data": 8}, remat=r).activation_bytes for r in REMAT]
+    assert acts[0] > acts[1] > acts[2]
+    assert est({"data": 8}).comm_by_kind.keys() == {"all-reduce"}  # ZeRO-0: the gradient all-reduce
+    assert est({"data": 4, "tensor": 2}).comm_by_kind["all-reduce"] > 0
+    piped = est({"pipe": 2, "data": 4}, micro=1, accumulation=4, schedule="1f1b")
+    assert piped.bubble == pytest.approx(1 / 5) and "collective-permute" in piped.comm_by_kind
+    assert piped.step_s > piped.compute_s / (1 - piped.bubble) - 1e-12

@@ -12,7 +12,8 @@ no more (every figure per device, per optimizer step):
   the fp32 logits of one micro-batch.
 - **Compute.** 6 FLOPs per parameter per token for the matmuls (8 with full remat, which runs
   the forward twice) plus attention's 12·L·d per token and layer, divided over the devices
-  that split the work, at the cluster's peak x its efficiency.
+  that split the work, at the cluster's peak x its efficiency; plus each micro-step's two
+  reads of the local weights at the memory bandwidth.
 - **Communication.** Per micro-step: ZeRO-3's all-gather of the params (twice, forward and
   backward) and reduce-scatter of the gradients; tensor parallelism's 4 all-reduces of the
   activations per layer (6 with full remat); Ulysses' 8 all-to-alls per layer; the pipeline's
@@ -128,7 +129,10 @@ def estimate(config: Config, plan: Candidate, cluster: Any) -> Estimate:
     total_flops = tokens_step * (_FLOPS_PER_PARAM[plan.remat] * matmul_params + attention)
     flops = total_flops / cluster.devices
     dtype = "bf16" if act == 2 else "fp32"
-    compute = flops / (cluster.peak_flops(dtype) * cluster.efficiency)
+    # every micro-step reads the local weights twice (forward, backward) from memory: what
+    # accumulation costs beyond its FLOPs
+    weights = 2 * plan.accumulation * 4 * params_here / (cluster.memory_bandwidth_gbps * 1e9)
+    compute = flops / (cluster.peak_flops(dtype) * cluster.efficiency) + weights
     bubble = 0.0
     if pipe > 1:
         micro = plan.accumulation * (config.pipeline.virtual_stages if plan.schedule == "interleaved" else 1)

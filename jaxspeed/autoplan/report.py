@@ -48,7 +48,8 @@ def to_dict(ranked: Ranked) -> dict[str, Any]:
     return {"plan": ranked.plan.describe(), "overrides": ranked.plan.overrides(),
             "device_bytes": ranked.device_bytes, "step_s": ranked.step_s,
             "tokens_per_s": ranked.tokens_per_s, "mfu": ranked.mfu, "bound": ranked.bound,
-            "source": ranked.source, "analytic_step_s": ranked.analytic.step_s}
+            "source": ranked.source, "analytic_step_s": ranked.analytic.step_s,
+            "analytic_comm_s": ranked.analytic.comm_by_kind}
 
 
 def write_config(config: Config, ranked: Ranked, cluster: Any, path: str | Path) -> Path:
