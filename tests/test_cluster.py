@@ -134,8 +134,10 @@ def test_calibrate_measures_the_cpu_devices(tmp_path):
         cluster.intra_host.latency_us,
         cluster.device_memory_bytes,
         cluster.host_memory_bytes,
+        cluster.memory_bandwidth_gbps,
     ]
     assert all(math.isfinite(value) and value > 0 for value in figures), figures
+    assert 0 < cluster.efficiency <= 1
     assert cluster.inter_host == cluster.intra_host
     assert cluster.device_memory_bytes * 8 <= cluster.host_memory_bytes
     assert load_cluster(tmp_path / "here.yaml") == cluster
