@@ -267,11 +267,9 @@ def _auto_plan(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from jaxspeed.autoplan.calibrate import calibrate
-    from jaxspeed.autoplan.cluster import save_cluster
+    from jaxspeed.autoplan.calibrate import main as calibrate
 
-    cluster = calibrate(name=args.name)
-    save_cluster(cluster, args.out)
+    cluster = calibrate(args.out, name=args.name)
     print(json.dumps({"out": args.out, **cluster.model_dump(mode="json")}))
     return 0
 

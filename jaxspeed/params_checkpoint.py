@@ -11,9 +11,9 @@ loads sharded, never gathered.
 Why `.npy` files and not Orbax, which writes the train checkpoints: these are the weights of a
 whole model converted in one go, and a writer can fill a memory-mapped `.npy` in place
 (`numpy.lib.format.open_memmap`), so each byte is written once, straight into the page cache.
-Orbax's TensorStore writer copies from arrays that must first exist in memory, which costs
-two more passes over the model (1.1 GB/s against 2 GB/s for the whole import, measured on the
-2-core CI machine; `benchmarks/import_export.py`). numpy has no bfloat16 of its own, so such
+Orbax's TensorStore writer copies from arrays that must first exist in memory, two more
+passes over the model (its save alone ran at 1.1-1.4 GB/s on the 2-core CI machine, about what
+the whole import, read and transposes included, now reaches; `benchmarks/import_export.py`). numpy has no bfloat16 of its own, so such
 arrays are stored as their bits (`uint16`) and the record names the dtype.
 """
 
@@ -177,14 +177,13 @@ def restore_params(directory: str | Path, target):
         has a sharding, each device reads only its slice; where it has none, the leaf comes
         back as one numpy array.
     """
-    saved = {_name(p): tuple(x.shape) for p, x in jax.tree.flatten_with_path(saved_shapes(directory))[0]}
+    stored = {_name(p): x for p, x in jax.tree.flatten_with_path(open_params(directory))[0]}
     wanted = {_name(p): tuple(x.shape) for p, x in jax.tree.flatten_with_path(target)[0]}
-    problems = [f"{k}: saved {saved.get(k, 'nothing')}, model needs {s}"
-                for k, s in wanted.items() if saved.get(k) != s]
-    problems += [f"{k}: saved but not in the model" for k in saved if k not in wanted]
+    problems = [f"{k}: saved {stored[k].shape if k in stored else 'nothing'}, model needs {s}"
+                for k, s in wanted.items() if k not in stored or stored[k].shape != s]
+    problems += [f"{k}: saved but not in the model" for k in stored if k not in wanted]
     if problems:
         raise CheckpointError(f"params in {directory} do not fit this model: " + "; ".join(problems[:4]))
-    stored = {_name(p): x for p, x in jax.tree.flatten_with_path(open_params(directory))[0]}
 
     def read(path, want: jax.ShapeDtypeStruct):
         array = stored[_name(path)]

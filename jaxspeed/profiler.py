@@ -191,13 +191,12 @@ class _Instruction(NamedTuple):
     tail: str
 
 
-def _parse(hlo_text: str) -> tuple[dict[str, list[_Instruction]], dict[str, int], set[str]]:
+def _parse(hlo_text: str) -> tuple[dict[str, list[_Instruction]], dict[str, int], str | None]:
     """HLO text -> (instructions per computation, runs of each computation per program run,
-    the fusion bodies). Runs follow while trip counts (when XLA knows them) and count each
+    the entry computation). Runs follow while trip counts (when XLA knows them) and count each
     conditional branch once."""
     own: dict[str, list[_Instruction]] = defaultdict(list)
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    fused: set[str] = set()
     entry, current = None, None
     for line in hlo_text.splitlines():
         if not line.startswith((" ", "\t")) and line.rstrip().endswith("{"):
@@ -216,8 +215,6 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[_Instruction]], dict[str, int]
         trips = _TRIP_COUNT.search(tail)
         for role, callee in _CALLEE.findall(tail):
             calls[current].append((callee, int(trips.group(1)) if role == "body" and trips else 1))
-            if op == "fusion":
-                fused.add(callee)
         for branches in _BRANCHES.findall(tail):
             for callee in branches.split(","):
                 calls[current].append((callee.strip().lstrip("%"), 1))
@@ -235,7 +232,7 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[_Instruction]], dict[str, int]
 
     if entry is not None:
         visit(entry, 1)
-    return own, executions, fused
+    return own, executions, entry
 
 
 def collectives(hlo_text: str, *, num_devices: int = 1) -> list[Collective]:
@@ -290,8 +287,7 @@ def memory_traffic(hlo_text: str) -> int:
     unlike it, a loop body counts once per iteration, and a conditional counts its costliest
     branch (one runs).
     """
-    own, _, _ = _parse(hlo_text)
-    entry = next((c for c in own if f"ENTRY %{c} " in hlo_text or f"ENTRY {c} " in hlo_text), None)
+    own, _, entry = _parse(hlo_text)
     memo: dict[str, int] = {}
 
     def traffic(computation: str, depth: int = 0) -> int:

@@ -34,6 +34,7 @@ from typing import Any
 from jaxspeed.autoplan import comm
 from jaxspeed.autoplan.space import Candidate
 from jaxspeed.config import Config
+from jaxspeed.precision import compute_dtype
 
 #: Activation bytes a layer keeps per token, in units of d_model x compute-dtype bytes, by
 #: remat policy (the rest is recomputed in the backward pass). `none` keeps every
@@ -89,10 +90,6 @@ def param_counts(config: Config) -> dict[str, int]:
     return {"layer_matmul": attention + mlp, "layer_norm": 2 * d, "embed": embed, "final_norm": d}
 
 
-def _compute_bytes(config: Config) -> int:
-    return 2 if (config.bf16.enabled or config.fp16.enabled) else 4
-
-
 def estimate(config: Config, plan: Candidate, cluster: Any) -> Estimate:
     """The analytic cost of `plan` for `config`'s model on `cluster` (`Cluster`)."""
     m, s = config.model, plan.sizes
@@ -112,7 +109,8 @@ def estimate(config: Config, plan: Candidate, cluster: Any) -> Estimate:
     host = o_b if plan.offload == "optimizer" else 0.0
     state = p_b + g_b + o_b - host
 
-    act = _compute_bytes(config)
+    dtype = compute_dtype(config)
+    act = dtype.itemsize
     tokens_micro = plan.micro_batch * config.data.seq_len / seq  # per device per micro-step
     per_layer_saved = tokens_micro * act * (_SAVED[plan.remat] * m.d_model / tensor
                                             + _SAVED_FF[plan.remat] * m.d_ff / tensor)
@@ -128,11 +126,10 @@ def estimate(config: Config, plan: Candidate, cluster: Any) -> Estimate:
     attention = 12 * m.n_layers * config.data.seq_len * m.d_model  # per token: QK^T and PV, x3
     total_flops = tokens_step * (_FLOPS_PER_PARAM[plan.remat] * matmul_params + attention)
     flops = total_flops / cluster.devices
-    dtype = "bf16" if act == 2 else "fp32"
     # every micro-step reads the local weights twice (forward, backward) from memory: what
     # accumulation costs beyond its FLOPs
     weights = 2 * plan.accumulation * 4 * params_here / (cluster.memory_bandwidth_gbps * 1e9)
-    compute = flops / (cluster.peak_flops(dtype) * cluster.efficiency) + weights
+    compute = flops / (cluster.peak_flops(dtype.name) * cluster.efficiency) + weights
     bubble = 0.0
     if pipe > 1:
         micro = plan.accumulation * (config.pipeline.virtual_stages if plan.schedule == "interleaved" else 1)

@@ -30,9 +30,10 @@ import jax
 
 from jaxspeed.autoplan import comm
 from jaxspeed.autoplan.estimate import Estimate, estimate
-from jaxspeed.autoplan.space import Candidate, apply, candidates
-from jaxspeed.config import Config
+from jaxspeed.autoplan.space import Candidate, candidates
+from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError, JaxspeedError
+from jaxspeed.precision import compute_dtype
 from jaxspeed.profiler import collectives, memory_traffic
 
 
@@ -62,8 +63,7 @@ def _tokens(config: Config, plan: Candidate) -> int:
 
 def _finish(config: Config, cluster: Any, ranked: Ranked) -> Ranked:
     ranked.tokens_per_s = _tokens(config, ranked.plan) / ranked.step_s
-    dtype = "bf16" if (config.bf16.enabled or config.fp16.enabled) else "fp32"
-    ranked.mfu = ranked.flops / ranked.step_s / cluster.peak_flops(dtype)
+    ranked.mfu = ranked.flops / ranked.step_s / cluster.peak_flops(compute_dtype(config).name)
     return ranked
 
 
@@ -84,7 +84,7 @@ def proxy_plan(config: Config, plan: Candidate, devices: int) -> tuple[Config, d
         return None
     shrunk = dataclasses.replace(plan, mesh=tuple((a, sizes[a]) for a, _ in plan.mesh))
     batch = plan.micro_batch * plan.accumulation * sizes["data"] * sizes["expert"]
-    return apply(config.model_copy(update={"train_batch_size": batch}), shrunk), sizes
+    return load_config(config, overrides=[*shrunk.overrides(), f"train_batch_size={batch}"]), sizes
 
 
 def _unsharded_by_proxy(report: dict[str, Any], plan: Candidate, sizes: dict[str, int]) -> int:
@@ -118,10 +118,9 @@ def compiled_cost(config: Config, plan: Candidate, cluster: Any, devices: Sequen
     real = estimate(config, plan, cluster)
     device_bytes = report["per_device_bytes"]["device"] - _unsharded_by_proxy(report, plan, sizes)
     flops = profile["flops_per_device"]
-    dtype = "bf16" if (config.bf16.enabled or config.fp16.enabled) else "fp32"
     text = engine.compile_train_step().as_text()
     # a roofline: the matmuls at the calibrated peak, or the memory traffic, whichever is longer
-    matmul = flops / (cluster.peak_flops(dtype) * cluster.efficiency)
+    matmul = flops / (cluster.peak_flops(compute_dtype(config).name) * cluster.efficiency)
     traffic = memory_traffic(text) / (cluster.memory_bandwidth_gbps * 1e9)
     compute = max(matmul, traffic)
     moved = comm.step_comm_seconds(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator
-from typing import Any
 
 from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError
@@ -59,34 +58,25 @@ class Candidate:
             parts.append(f"offload={self.offload}")
         return " ".join(parts)
 
-    def overrides(self) -> dict[str, Any]:
-        """The config keys this plan sets (a nested mapping merged over the base config)."""
-        out: dict[str, Any] = {
-            "mesh": self.sizes,
-            "zero_optimization": {"stage": self.stage, "offload_optimizer": {
-                "device": "cpu" if self.offload == "optimizer" else "none"}},
-            "activation_checkpointing": {"policy": self.remat},
-            "train_micro_batch_size_per_device": self.micro_batch,
-            "gradient_accumulation_steps": self.accumulation,
-        }
+    def overrides(self) -> list[str]:
+        """The config keys this plan sets, as `KEY.PATH=VALUE` (`--set` / `load_config`)."""
+        out = [f"mesh.{axis}={size}" for axis, size in self.mesh]
+        out += [
+            f"zero_optimization.stage={self.stage}",
+            "zero_optimization.offload_optimizer.device="
+            + ("cpu" if self.offload == "optimizer" else "none"),
+            f"activation_checkpointing.policy={self.remat}",
+            f"train_micro_batch_size_per_device={self.micro_batch}",
+            f"gradient_accumulation_steps={self.accumulation}",
+        ]
         if self.schedule:
-            out["pipeline"] = {"schedule": self.schedule, "num_microbatches": self.accumulation}
+            out += [f"pipeline.schedule={self.schedule}", f"pipeline.num_microbatches={self.accumulation}"]
         return out
 
 
 def apply(config: Config, candidate: Candidate) -> Config:
     """`config` with the plan's choices; everything else (model, data, optimizer) kept."""
-    raw = config.model_dump(by_alias=True, exclude_none=True)
-    _merge(raw, candidate.overrides())
-    return load_config(raw)
-
-
-def _merge(base: dict[str, Any], patch: dict[str, Any]) -> None:
-    for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        else:
-            base[key] = value
+    return load_config(config, overrides=candidate.overrides())
 
 
 def _divisors(n: int) -> list[int]:
@@ -105,7 +95,8 @@ def meshes(config: Config, devices: int, devices_per_host: int) -> Iterator[dict
             continue
         if heads % tensor or kv % tensor or model.d_ff % tensor or experts % expert:
             continue
-        if sequence > 1 and (model.moe or _onebit(config) or config.data.seq_len % sequence
+        onebit = config.optimizer.type == "OneBitAdam"
+        if sequence > 1 and (model.moe or onebit or config.data.seq_len % sequence
                              or heads // tensor % sequence):
             continue
         for pipe in _divisors(devices // inner):
@@ -115,10 +106,6 @@ def meshes(config: Config, devices: int, devices_per_host: int) -> Iterator[dict
             if batch is not None and batch % (data * expert):
                 continue
             yield {"pipe": pipe, "data": data, "sequence": sequence, "expert": expert, "tensor": tensor}
-
-
-def _onebit(config: Config) -> bool:
-    return config.optimizer.type.lower().replace("_", "") in ("onebitadam", "1bitadam")
 
 
 def candidates(config: Config, devices: int, devices_per_host: int) -> Iterator[Candidate]:

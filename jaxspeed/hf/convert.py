@@ -8,8 +8,6 @@ same `config.json`, safetensors files and index, byte for byte.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -73,24 +71,22 @@ def import_hf(folder: str | Path, out: str | Path, *, dtype: str | None = None) 
     return Path(out)
 
 
-@contextmanager
-def _open_checkpoint(directory: Path, step: int | None) -> Iterator[tuple[Any, dict[str, Any], dict | None]]:
+def _open_checkpoint(directory: Path, step: int | None) -> tuple[Any, dict[str, Any], dict | None]:
     """(params, `model:` keys, the import's HF record or None) of either kind of checkpoint.
 
-    A params checkpoint's params are lazy slices of its file, read one layer at a time by the
+    A params checkpoint's params are memory-mapped, read one layer at a time by the
     conversion; a train checkpoint's are restored onto this host (`export.load_trained`).
     """
     if params_checkpoint.is_params_checkpoint(directory):
         record = params_checkpoint.read_record(directory)
         check_exportable(record["model"])
-        yield params_checkpoint.open_params(directory), record["model"], record.get("hf")
-        return
+        return params_checkpoint.open_params(directory), record["model"], record.get("hf")
     from jaxspeed.export import load_trained
 
     engine, state = load_trained(directory, step=step, devices=jax.devices()[:1])
     model = engine.config.to_dict()["model"]
     check_exportable(model)
-    yield jax.device_get(state.params), model, None
+    return jax.device_get(state.params), model, None
 
 
 def export_hf(
@@ -110,8 +106,8 @@ def export_hf(
     checkpoint, out, cast = Path(checkpoint), Path(out), _dtype(dtype)
     if not checkpoint.is_dir():
         raise CheckpointError(f"checkpoint directory {checkpoint} does not exist")
-    with _open_checkpoint(checkpoint, step) as (params, model, hf):
-        tensors = hf_from_params(params, model, dtype=cast)
+    params, model, hf = _open_checkpoint(checkpoint, step)
+    tensors = hf_from_params(params, model, dtype=cast)
     saved_dtype = {str(t.dtype) for t in tensors.values()}.pop()
     hf = hf if hf is not None and set(tensors) == {n for ns in hf["files"].values() for n in ns} else None
     out.mkdir(parents=True, exist_ok=True)
