@@ -27,6 +27,9 @@ def use_cpu_devices(count: int = DEVICES) -> None:
     `jaxspeed bench NAME` JAX may already be imported, or even running: then whatever devices
     exist are used, and anything other than `count` of them stops the benchmark with a message.
     """
+    from jaxspeed.host_allocator import keep_freed_memory
+
+    keep_freed_memory()  # jaxspeed's host allocator, before JAX starts: both sides run under it
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])

@@ -225,6 +225,8 @@ def use_one_cpu_device() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxspeed.host_allocator import keep_freed_memory
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (tests)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps of each (median)")
@@ -274,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio_bound=_common.ratio(r["einsum_ms"], r["ffn_ms"]),
             peak_MiB={n: round(_common.mib(b), 1) for n, b in r["bytes"].items()},
             compile_s=r["compile_s"], max_rel_diff=r["max_rel_diff"], repeats=repeats,
+            host_allocator=keep_freed_memory(),
         ))
     return 0
 

@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     import maxtext_peer
     from jaxspeed.config import load_config, resolve_batch
     from jaxspeed.engine import initialize
+    from jaxspeed.host_allocator import keep_freed_memory
     from jaxspeed.mesh import data_parallel_size, make_mesh
 
     rows = []
@@ -264,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens_per_step=row["tokens_per_step"],
             runs={k: [round(v, 1) for v in vs] for k, vs in row["runs"].items() if vs},
             matmul_peak_gflops_by_library={k: round(v, 1) for k, v in peaks.items()},
+            host_allocator=keep_freed_memory(),
             **row["roof"],
         )
         if best["maxtext"]:

@@ -172,12 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from jaxspeed.errors import JaxspeedError
+    from jaxspeed.host_allocator import keep_freed_memory
+
+    try:
+        keep_freed_memory()
+    except JaxspeedError as err:
+        print(f"jaxspeed {args.command}: error: {err}", file=sys.stderr)
+        return 2
     if getattr(args, "cpu_devices", None) is not None:
         from jaxspeed.distributed import set_cpu_devices
 
         set_cpu_devices(args.cpu_devices)
-
-    from jaxspeed.errors import JaxspeedError
 
     try:
         if args.command in ("train", "plan"):

@@ -23,6 +23,7 @@ from jaxspeed.checkpoint import Checkpointer
 from jaxspeed.config import Config, load_config, resolve_batch
 from jaxspeed.data import make_global_batch
 from jaxspeed.errors import ConfigError
+from jaxspeed.host_allocator import keep_freed_memory
 from jaxspeed.losses import lm_loss
 from jaxspeed.mesh import DATA_PARALLEL_AXES, PIPE, SEQUENCE, TENSOR, data_parallel_size, make_mesh
 from jaxspeed.optim import build_optimizer
@@ -451,6 +452,8 @@ def initialize(
         config = load_config(config)
     _check_supported(config)
     mesh = mesh if mesh is not None else make_mesh(config.mesh)
+    if mesh.devices.flat[0].platform == "cpu":
+        keep_freed_memory()  # XLA:CPU mallocs each step's scratch afresh
     if mesh.shape.get(PIPE, 1) != config.mesh.pipe:  # the batch triple follows the config
         raise ConfigError(
             f"the mesh has {PIPE}={mesh.shape.get(PIPE, 1)} but the config has "

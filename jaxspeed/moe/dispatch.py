@@ -6,7 +6,7 @@ GShard's `[T, E, C]` one-hot dispatch/combine tensors, so time and memory are `O
 instead of `O(T * E * C * M)`.
 
 Two implementations, chosen by `impl=`, with the same design: a cheap XLA scatter of int32
-ids builds the inverse map slot -> (token, choice), and then every direction, forward and
+ids builds the inverse map slot -> token, and then every direction, forward and
 backward, is a row *gather* (scatter-adds of rows are slow, serial loops on CPU):
   - "pallas": the kernels of `pallas_kernels.moe_dispatch` (custom VJPs whose backward passes
     are kernels too), compiled on GPU and interpreted elsewhere;
@@ -68,11 +68,21 @@ def _slots(routing: Routing, capacity: int, num_experts: int):
     return jnp.where(_kept(routing, capacity, num_experts), flat, -1).astype(jnp.int32)
 
 
-def _pair_of_slot(slots, num_slots: int):
-    """Inverse map: `[S]` int32, the flat (token * k + choice) filling each slot, -1 if none."""
+def _scatter_to_slots(slots, values, num_slots: int, fill):
+    """Inverse map: `[S]`, `values[t, j]` at slot `slots[t, j]`, `fill` where no choice landed.
+
+    A scatter of `T * k` scalars; materialised once, so the row gathers that read it do no
+    index arithmetic per element (a fused `pair // k` per element cost more than the gather).
+    """
     target = jnp.where(slots >= 0, slots, num_slots).reshape(-1)  # -1 must not wrap around
-    pairs = jnp.arange(slots.size, dtype=jnp.int32)
-    return jnp.full((num_slots,), -1, jnp.int32).at[target].set(pairs, mode="drop")
+    return jnp.full((num_slots,), fill, values.dtype).at[target].set(values.reshape(-1),
+                                                                      mode="drop")
+
+
+def _token_of_slot(slots, num_slots: int):
+    """`[S]` int32: the token filling each slot, -1 if none."""
+    tokens = jnp.broadcast_to(jnp.arange(slots.shape[0], dtype=jnp.int32)[:, None], slots.shape)
+    return _scatter_to_slots(slots, tokens, num_slots, -1)
 
 
 def _gather_sum(table, slots, weight=None):
@@ -84,17 +94,16 @@ def _gather_sum(table, slots, weight=None):
     return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _xla_dispatch(x, slots, pair, k: int):
-    token = jnp.where(pair >= 0, pair // k, -1)
+@jax.custom_vjp
+def _xla_dispatch(x, slots, token):
     return take_rows(x, token)
 
 
-def _xla_dispatch_fwd(x, slots, pair, k):
-    return _xla_dispatch(x, slots, pair, k), slots
+def _xla_dispatch_fwd(x, slots, token):
+    return _xla_dispatch(x, slots, token), slots
 
 
-def _xla_dispatch_bwd(k, slots, dout):
+def _xla_dispatch_bwd(slots, dout):
     return _gather_sum(dout, slots).astype(dout.dtype), None, None
 
 
@@ -102,24 +111,22 @@ _xla_dispatch.defvjp(_xla_dispatch_fwd, _xla_dispatch_bwd)
 
 
 @jax.custom_vjp
-def _xla_combine(y, slots, weight, pair):
+def _xla_combine(y, slots, weight, token):
     return _gather_sum(y, slots, weight).astype(y.dtype)
 
 
-def _xla_combine_fwd(y, slots, weight, pair):
-    return _xla_combine(y, slots, weight, pair), (y, slots, weight, pair)
+def _xla_combine_fwd(y, slots, weight, token):
+    return _xla_combine(y, slots, weight, token), (y, slots, weight, token)
 
 
 def _xla_combine_bwd(residuals, dout):
-    y, slots, weight, pair = residuals
-    k = slots.shape[1]
-    token = jnp.where(pair >= 0, pair // k, -1)
-    scale = jnp.where(pair >= 0, weight.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
+    y, slots, weight, token = residuals
+    scale = _scatter_to_slots(slots, weight, token.shape[0], 0.0)
     dy = (scale[:, None] * take_rows(dout, token).astype(jnp.float32)).astype(y.dtype)
     do = dout.astype(jnp.float32)
     dweight = jnp.stack(
         [jnp.sum(take_rows(y, slots[:, j]).astype(jnp.float32) * do, axis=1)
-         for j in range(k)], axis=1)
+         for j in range(slots.shape[1])], axis=1)
     return dy, None, dweight, None
 
 
@@ -151,8 +158,7 @@ def dispatch(x, routing: Routing, num_experts: int, *, impl: str = "auto"):
             f"(the routing's), got {x.shape}")
     num_slots = num_experts * capacity
     slots = _slots(routing, capacity, num_experts)
-    pair = _pair_of_slot(slots, num_slots)
-    out = _xla_dispatch(x, slots, pair, slots.shape[1])
+    out = _xla_dispatch(x, slots, _token_of_slot(slots, num_slots))
     return out.reshape(num_experts, capacity, x.shape[1])
 
 
@@ -177,6 +183,6 @@ def combine(y, routing: Routing, *, impl: str = "auto"):
         return kernels.moe_combine(y, routing.expert_index, routing.position, routing.weight)
     num_experts, _, width = y.shape
     slots = _slots(routing, capacity, num_experts)
-    pair = _pair_of_slot(slots, num_experts * capacity)
+    token = _token_of_slot(slots, num_experts * capacity)
     weight = routing.weight.astype(jnp.float32)
-    return _xla_combine(y.reshape(num_experts * capacity, width), slots, weight, pair)
+    return _xla_combine(y.reshape(num_experts * capacity, width), slots, weight, token)
