@@ -41,7 +41,13 @@ def check_result(obj: dict, name: str) -> None:
     assert isinstance(obj["unit"], str) and obj["unit"]
     for key in ("jaxspeed", "baseline", "ratio"):
         value = obj[key]
-        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (key, value)
+        assert isinstance(value, (int, float)) and math.isfinite(value), (key, value)
+    if obj["unit"] == "spearman":
+        # a rank correlation (and so its share of the target) is negative when the order is
+        # reversed, as a quick run's few, short plans on busy cores can be
+        assert -1 <= obj["jaxspeed"] <= 1 and obj["baseline"] > 0, obj
+    else:
+        assert all(obj[key] > 0 for key in ("jaxspeed", "baseline", "ratio")), obj
 
 
 @pytest.mark.slow
