@@ -12,9 +12,10 @@ Why `.npy` files and not Orbax, which writes the train checkpoints: these are th
 whole model converted in one go, and a writer can fill a memory-mapped `.npy` in place
 (`numpy.lib.format.open_memmap`), so each byte is written once, straight into the page cache.
 Orbax's TensorStore writer copies from arrays that must first exist in memory, two more
-passes over the model (its save alone ran at 1.1-1.4 GB/s on the 2-core CI machine, about what
-the whole import, read and transposes included, now reaches; `benchmarks/import_export.py`). numpy has no bfloat16 of its own, so such
-arrays are stored as their bits (`uint16`) and the record names the dtype.
+passes over the model (its save alone ran at 1.1-1.4 GB/s on the 2-core CI machine, about
+what the whole import, read and transposes included, now reaches;
+`benchmarks/import_export.py`). numpy has no bfloat16 of its own, so such arrays are stored
+as their bits (`uint16`) and the record names the dtype.
 """
 
 from __future__ import annotations

@@ -89,13 +89,13 @@ def meshes(config: Config, devices: int, devices_per_host: int) -> Iterator[dict
     heads, kv = model.n_heads, model.n_kv_heads or model.n_heads
     experts = int(model.moe["num_experts"]) if model.moe else 1
     batch = config.train_batch_size
+    onebit = config.optimizer.type == "OneBitAdam"
     for tensor, expert, sequence in itertools.product(_divisors(devices_per_host), repeat=3):
         inner = tensor * expert * sequence
         if devices_per_host % inner or devices % inner:
             continue
         if heads % tensor or kv % tensor or model.d_ff % tensor or experts % expert:
             continue
-        onebit = config.optimizer.type == "OneBitAdam"
         if sequence > 1 and (model.moe or onebit or config.data.seq_len % sequence
                              or heads // tensor % sequence):
             continue
