@@ -19,7 +19,7 @@ from jaxspeed import params_checkpoint
 from jaxspeed.checkpoint import CheckpointError
 from jaxspeed.hf import files as hf_files
 from jaxspeed.hf.config import check_exportable, hf_from_model, model_from_hf
-from jaxspeed.hf.weights import check_names, fill_params, hf_from_params, param_shapes
+from jaxspeed.hf.weights import check_names, fill_params, hf_tensors, param_shapes
 
 #: `--dtype` choices.
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -107,7 +107,7 @@ def export_hf(
     if not checkpoint.is_dir():
         raise CheckpointError(f"checkpoint directory {checkpoint} does not exist")
     params, model, hf = _open_checkpoint(checkpoint, step)
-    tensors = hf_from_params(params, model, dtype=cast)
+    tensors = hf_tensors(params, model, dtype=cast)
     saved_dtype = {str(t.dtype) for t in tensors.values()}.pop()
     hf = hf if hf is not None and set(tensors) == {n for ns in hf["files"].values() for n in ns} else None
     out.mkdir(parents=True, exist_ok=True)

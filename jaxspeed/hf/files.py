@@ -2,9 +2,10 @@
 
 A folder holds either one `model.safetensors` or shards listed by
 `model.safetensors.index.json` (`{"metadata": {...}, "weight_map": {name: file}}`). JSON is
-written as transformers writes it (sorted keys, indent 2, a final newline), and safetensors
-files through the `safetensors` package, which orders tensors by dtype and name: the same
-tensors with the same metadata give the same bytes.
+written as transformers writes it (sorted keys, indent 2, a final newline). Safetensors files
+are read through the `safetensors` package, and written as it writes them (tensors ordered by
+dtype and name: the same tensors with the same metadata give the same bytes): straight to disk
+by `jaxspeed.hf.safetensors_direct` where a file has one dtype, else by the package itself.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import safetensors
 import safetensors.numpy
 
 from jaxspeed.checkpoint import CheckpointError
+from jaxspeed.hf import safetensors_direct
+from jaxspeed.hf.safetensors_direct import LazyTensor
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -145,7 +148,7 @@ def file_metadata(path: Path) -> dict[str, str] | None:
 
 def write_tensors(
     folder: Path,
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, np.ndarray | LazyTensor],
     *,
     files: Mapping[str, list[str]] | None = None,
     metadata: Mapping[str, Mapping[str, str] | None] | None = None,
@@ -155,7 +158,7 @@ def write_tensors(
 
     Args:
       folder: where to write (exists).
-      tensors: name -> contiguous numpy array.
+      tensors: name -> numpy array, or a `LazyTensor` converted as it is written.
       files: file name -> tensor names (a layout read by an import); default one file.
       metadata: file name -> its safetensors metadata; default `FILE_METADATA`.
       index_metadata: the index's `metadata` keys to keep; `total_size` and
@@ -170,10 +173,18 @@ def write_tensors(
     for file, names in files.items():
         path = folder / file
         tmp = path.with_name(path.name + ".tmp")
-        safetensors.numpy.save_file(
-            {name: tensors[name] for name in names}, str(tmp),
-            metadata=dict(metadata.get(file, FILE_METADATA) or {}) or None,
-        )
+        chunk = {name: tensors[name] for name in names}
+        meta = dict(metadata.get(file, FILE_METADATA) or {}) or None
+        try:
+            if safetensors_direct.supported(chunk, meta):
+                safetensors_direct.write_file(tmp, chunk, meta)
+            else:
+                safetensors.numpy.save_file(
+                    {k: v.materialize() if isinstance(v, LazyTensor) else v for k, v in chunk.items()},
+                    str(tmp), metadata=meta)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         tmp.replace(path)
         written.append(path)
     if len(files) > 1 or files.keys() != {SINGLE}:

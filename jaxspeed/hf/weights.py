@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxspeed.checkpoint import CheckpointError
+from jaxspeed.hf.safetensors_direct import LazyTensor
 
 #: Per-layer tensors: HF name suffix -> (params path under `layers`, kind of mapping).
 _LAYER = {
@@ -188,23 +189,30 @@ def _matrix(param: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
     return param.reshape(hf_shape[::-1])
 
 
-def hf_from_params(params: Mapping[str, Any], model: Mapping[str, Any], *, dtype=None) -> dict[str, np.ndarray]:
-    """HF tensors (contiguous numpy) from the GPT's params; the inverse of `fill_params`.
+def hf_tensors(params: Mapping[str, Any], model: Mapping[str, Any], *, dtype=None) -> dict[str, Any]:
+    """HF tensors from the GPT's params, each converted when it is written; the inverse of
+    `fill_params`.
 
-    A leaf of `params` only needs indexing, so a params checkpoint's memory-mapped arrays
-    (`jaxspeed.params_checkpoint.open_params`) are read as they are converted.
+    Values are `LazyTensor`s (the transposed ones, and any cast), or the param itself where
+    a tensor is a plain copy in the same dtype. A leaf of `params` only needs indexing, so a
+    params checkpoint's memory-mapped arrays (`jaxspeed.params_checkpoint.open_params`) are
+    read as they are converted.
     """
     shapes = hf_shapes(model)
     dtype = np.dtype(dtype or params["final_norm"]["scale"].dtype)
-    out = {name: np.empty(shape, dtype) for name, shape in shapes.items()}
-    jobs = [
-        partial(_copy_into, out[name], _matrix(params["layers"][group][leaf][i], shapes[name]), kind)
+
+    def tensor(name: str, src, kind: str):
+        if kind == "vector" and np.dtype(src.dtype) == dtype and isinstance(src, np.ndarray):
+            return src.reshape(shapes[name])
+        return LazyTensor(shapes[name], dtype, partial(_copy_into, src=src, kind=kind))
+
+    out = {
+        name: tensor(name, _matrix(params["layers"][group][leaf][i], shapes[name]), kind)
         for i in range(model["n_layers"]) for suffix, ((group, leaf), kind) in _LAYER.items()
         for name in [f"model.layers.{i}.{suffix}"]
-    ]
-    jobs.append(partial(_copy_into, out["model.embed_tokens.weight"], params["embedding"], "vector"))
-    jobs.append(partial(_copy_into, out["model.norm.weight"], params["final_norm"]["scale"], "vector"))
+    }
+    out["model.embed_tokens.weight"] = tensor("model.embed_tokens.weight", params["embedding"], "vector")
+    out["model.norm.weight"] = tensor("model.norm.weight", params["final_norm"]["scale"], "vector")
     if not model["tie_embeddings"]:
-        jobs.append(partial(_copy_into, out["lm_head.weight"], params["head"], "transpose"))
-    _parallel(jobs)
+        out["lm_head.weight"] = tensor("lm_head.weight", params["head"], "transpose")
     return out
