@@ -9,22 +9,22 @@ device reads only its own slices of each array, straight into the run's planned 
 loads sharded, never gathered.
 
 Why `.npy` files and not Orbax, which writes the train checkpoints: these are the weights of a
-whole model converted in one go, and a writer can fill a memory-mapped `.npy` in place
-(`numpy.lib.format.open_memmap`), so each byte is written once, straight into the page cache.
-Orbax's TensorStore writer copies from arrays that must first exist in memory, two more
-passes over the model (its save alone ran at 1.1-1.4 GB/s on the 2-core CI machine, about
-what the whole import, read and transposes included, now reaches;
+whole model converted in one go. A converter writes each array block by block (one layer at a
+time), straight to disk (`write_params`), so the model never has to exist in memory. Orbax's
+TensorStore writer copies from arrays that must first exist in memory, two more passes over
+the model (its save alone ran at 1.1-1.4 GB/s on the 2-core CI machine;
 `benchmarks/import_export.py`). numpy has no bfloat16 of its own, so such arrays are stored
 as their bits (`uint16`) and the record names the dtype.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ import ml_dtypes  # noqa: F401 - registers bfloat16 and the float8 dtypes by nam
 import numpy as np
 from flax import traverse_util
 
+from jaxspeed import direct_io
 from jaxspeed.checkpoint import CheckpointError
 
 RECORD = "jaxspeed_params.json"
@@ -60,39 +61,46 @@ def _stored(dtype: np.dtype) -> np.dtype:
     return dtype if dtype.kind in "biuf" and dtype.type.__module__ == "numpy" else np.dtype(f"u{dtype.itemsize}")
 
 
-@contextmanager
-def writing(
-    directory: str | Path, shapes, *, model: Mapping[str, Any], extra: Mapping | None = None
-) -> Iterator[Any]:
-    """A params checkpoint to fill in place: yields `shapes`' tree of writable memory-mapped
-    arrays, and completes the checkpoint when the `with` body returns.
+#: One block of an array: `fill(out)` writes it into a C-contiguous `out`.
+Fill = Callable[[np.ndarray], None] | direct_io.LazyArray
 
-    The folder is written beside its final name and renamed when complete, so a crash never
-    leaves a half-written checkpoint there. `directory` must not exist yet, or be empty.
+
+def write_params(
+    directory: str | Path, shapes, blocks: Mapping[str, Sequence[Fill]], *,
+    model: Mapping[str, Any], extra: Mapping | None = None,
+) -> Path:
+    """Writes a params checkpoint, each array from its blocks, a few blocks in memory at a time.
+
+    Each `.npy` goes straight to disk (`jaxspeed.direct_io`): a converter never holds the
+    model, and never fills the page cache with it. The folder is written beside its final
+    name and renamed when complete, so a failure never leaves a half-written checkpoint
+    there. `directory` must not exist yet, or be empty.
 
     Args:
       directory: the params checkpoint to write.
       shapes: a tree (nested dicts) of `jax.ShapeDtypeStruct`, the params' shapes and dtypes.
+      blocks: `.`-joined tree path -> its fills: one for the whole array, or one per index
+        of its leading axis (a layer of the stacked layers), in order. A fill may be a
+        `jaxspeed.direct_io.LazyArray` of its block (one that can fill rows at a time).
       model: the `model:` section that shapes them.
       extra: more keys for the record (where the params came from).
+
+    Returns:
+      `directory`.
     """
     directory = Path(directory).absolute()
     if directory.exists() and any(directory.iterdir()):
         raise CheckpointError(f"{directory} already exists and is not empty; choose another --out")
+    flat = {SEP.join(path): s for path, s in traverse_util.flatten_dict(shapes).items()}
+    if set(blocks) != set(flat):
+        raise ValueError(f"blocks name {sorted(blocks)}, the shapes {sorted(flat)}")
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / ARRAYS).mkdir(parents=True)
-    flat = {SEP.join(path): s for path, s in traverse_util.flatten_dict(shapes).items()}
-    arrays = {}
-    for name, s in flat.items():
-        stored = np.lib.format.open_memmap(tmp / ARRAYS / f"{name}.npy", "w+", _stored(s.dtype), tuple(s.shape))
-        arrays[name] = stored.view(s.dtype)
     try:
-        # No msync: like any file write, the page cache holds the bytes until the kernel writes
-        # them back, and a crash of this process loses nothing the rename has published.
-        yield traverse_util.unflatten_dict({tuple(k.split(SEP)): a for k, a in arrays.items()})
+        for name, s in flat.items():
+            _write_npy(tmp / ARRAYS / f"{name}.npy", s, blocks[name])
     except BaseException:
-        arrays.clear()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     dtypes = sorted({str(np.dtype(s.dtype)) for s in flat.values()})
@@ -102,19 +110,43 @@ def writing(
         **dict(extra or {}),
     }
     (tmp / RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    arrays.clear()
     if directory.exists():
         directory.rmdir()
     tmp.rename(directory)
+    return directory
+
+
+def _write_npy(path: Path, spec, fills: Sequence[Fill]) -> None:
+    """One array as `.npy` (`numpy.lib.format`'s header), from one fill, or one per index of
+    its leading axis."""
+    shape = tuple(spec.shape)
+    if len(fills) == 1:
+        block = shape
+    elif shape and len(fills) == shape[0]:
+        block = shape[1:]
+    else:
+        raise ValueError(f"{path.name}: {len(fills)} blocks; shape {shape} takes 1 or {shape[:1]}")
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {
+        "descr": np.lib.format.dtype_to_descr(_stored(spec.dtype)), "fortran_order": False,
+        "shape": shape})
+    with direct_io.writer(path) as out:
+        out.put(np.frombuffer(header.getvalue(), np.uint8))
+        out.put_all(fill if isinstance(fill, direct_io.LazyArray)
+                    else direct_io.LazyArray(block, np.dtype(spec.dtype), fill) for fill in fills)
 
 
 def save_params(directory: str | Path, params, *, model: Mapping[str, Any], extra: Mapping | None = None) -> Path:
     """Writes `params` (numpy or jax arrays) and their `model:` section under `directory`
-    (see `writing`); returns `directory`."""
+    (see `write_params`); returns `directory`."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    with writing(directory, shapes, model=model, extra=extra) as arrays:
-        jax.tree.map(lambda dst, x: dst.__setitem__(Ellipsis, jax.device_get(x)), arrays, params)
-    return Path(directory)
+    flat = {SEP.join(path): x for path, x in traverse_util.flatten_dict(params).items()}
+    blocks = {name: [functools.partial(_copy_whole, x)] for name, x in flat.items()}
+    return write_params(directory, shapes, blocks, model=model, extra=extra)
+
+
+def _copy_whole(x, out: np.ndarray) -> None:
+    out[...] = jax.device_get(x)
 
 
 def read_record(directory: str | Path) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Params checkpoints (`.npy` per array, filled in place) and the HF conversion's copies."""
+"""Params checkpoints (`.npy` per array, written block by block) and the HF conversion's copies."""
 
 import json
 
@@ -6,13 +6,14 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxspeed.checkpoint import CheckpointError
 from jaxspeed.hf.weights import _READ, _copy_into
 from jaxspeed.mesh import make_mesh
 from jaxspeed.params_checkpoint import (
-    ARRAYS, RECORD, open_params, read_record, restore_params, save_params, saved_shapes, writing,
+    ARRAYS, RECORD, open_params, read_record, restore_params, save_params, saved_shapes, write_params,
 )
 
 MODEL = {"d_model": 8}
@@ -68,11 +69,30 @@ def test_restore_casts_to_the_target_dtype(tmp_path):
 
 
 def test_a_failed_write_leaves_nothing(tmp_path):
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_tree())
+    params = params_tree()
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    names = [".".join(path) for path in traverse_util.flatten_dict(params)]
+
+    def stop(out):
+        raise RuntimeError("stop")
+
+    blocks = {name: [lambda out: out.fill(0)] for name in names}
+    blocks[names[-1]] = [stop]  # after the other arrays are on disk
     with pytest.raises(RuntimeError, match="stop"):
-        with writing(tmp_path / "ckpt", shapes, model=MODEL):
-            raise RuntimeError("stop")
+        write_params(tmp_path / "ckpt", shapes, blocks, model=MODEL)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_arrays_are_written_block_by_block(tmp_path):
+    """A stacked array from one fill per leading block, bit for bit; a bad split is refused."""
+    x = np.random.default_rng(0).standard_normal((4, 3, 5)).astype(ml_dtypes.bfloat16)
+    shapes = {"w": jax.ShapeDtypeStruct(x.shape, x.dtype)}
+    fills = [lambda out, i=i: out.__setitem__(Ellipsis, x[i]) for i in range(4)]
+    write_params(tmp_path / "ckpt", shapes, {"w": fills}, model=MODEL)
+    np.testing.assert_array_equal(open_params(tmp_path / "ckpt")["w"], x)
+    with pytest.raises(ValueError, match=r"3 blocks; shape \(4, 3, 5\) takes 1 or \(4,\)"):
+        write_params(tmp_path / "bad", shapes, {"w": fills[:3]}, model=MODEL)
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.tmp").exists()
 
 
 def test_refuses_a_non_empty_target(tmp_path):

@@ -10,8 +10,10 @@ import pytest
 import safetensors.numpy
 
 from jaxspeed.hf import files as hf_files
+from jaxspeed import direct_io
 from jaxspeed.hf import safetensors_direct
-from jaxspeed.hf.safetensors_direct import LazyTensor, write_file
+from jaxspeed.direct_io import LazyArray
+from jaxspeed.hf.safetensors_direct import write_file
 
 
 def _tensors(dtype, seed: int = 0) -> dict[str, np.ndarray]:
@@ -21,12 +23,12 @@ def _tensors(dtype, seed: int = 0) -> dict[str, np.ndarray]:
     out["é_unicode"] = np.arange(3).astype(dtype)
     out["empty"] = np.zeros((0, 4), dtype)
     # Bigger than the staging buffer: the stream wraps around both buffers several times.
-    out["big"] = (rng.random((safetensors_direct._CHUNK // 1000 + 7, 1000)) * 100).astype(dtype)
+    out["big"] = (rng.random((direct_io.CHUNK // 1000 + 7, 1000)) * 100).astype(dtype)
     return out
 
 
-def _lazy(array: np.ndarray) -> LazyTensor:
-    return LazyTensor(array.shape, array.dtype, lambda out: np.copyto(out, array))
+def _lazy(array: np.ndarray) -> LazyArray:
+    return LazyArray(array.shape, array.dtype, lambda out: np.copyto(out, array))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int64, np.uint8, np.bool_])
@@ -69,7 +71,7 @@ def test_a_failed_conversion_leaves_no_file(tmp_path):
     def broken(out):
         raise RuntimeError("conversion failed")
 
-    tensors = {"a": np.ones((4,), np.float32), "b": LazyTensor((4,), np.dtype(np.float32), broken)}
+    tensors = {"a": np.ones((4,), np.float32), "b": LazyArray((4,), np.dtype(np.float32), broken)}
     with pytest.raises(RuntimeError, match="conversion failed"):
         hf_files.write_tensors(tmp_path, tensors)
     assert list(tmp_path.iterdir()) == []

@@ -19,7 +19,7 @@ from jaxspeed import params_checkpoint
 from jaxspeed.checkpoint import CheckpointError
 from jaxspeed.hf import files as hf_files
 from jaxspeed.hf.config import check_exportable, hf_from_model, model_from_hf
-from jaxspeed.hf.weights import check_names, fill_params, hf_tensors, param_shapes
+from jaxspeed.hf.weights import check_names, hf_tensors, param_blocks, param_shapes
 
 #: `--dtype` choices.
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -65,9 +65,10 @@ def import_hf(folder: str | Path, out: str | Path, *, dtype: str | None = None) 
     if cast is not None:
         hf["config"] = {**config, "dtype" if "dtype" in config else "torch_dtype": str(cast)}
     with hf_files.tensor_reader(files) as read:
-        shapes = param_shapes(model, cast or read("model.norm.weight").dtype)
-        with params_checkpoint.writing(out, shapes, model=model, extra={"source": str(folder), "hf": hf}) as into:
-            fill_params(read, model, into, source=str(folder))
+        dtype = cast or read("model.norm.weight").dtype
+        blocks = param_blocks(read, model, dtype=dtype, source=str(folder))
+        params_checkpoint.write_params(out, param_shapes(model, dtype), blocks, model=model,
+                                       extra={"source": str(folder), "hf": hf})
     return Path(out)
 
 

@@ -25,7 +25,7 @@ import safetensors.numpy
 
 from jaxspeed.checkpoint import CheckpointError
 from jaxspeed.hf import safetensors_direct
-from jaxspeed.hf.safetensors_direct import LazyTensor
+from jaxspeed.direct_io import LazyArray
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -148,7 +148,7 @@ def file_metadata(path: Path) -> dict[str, str] | None:
 
 def write_tensors(
     folder: Path,
-    tensors: Mapping[str, np.ndarray | LazyTensor],
+    tensors: Mapping[str, np.ndarray | LazyArray],
     *,
     files: Mapping[str, list[str]] | None = None,
     metadata: Mapping[str, Mapping[str, str] | None] | None = None,
@@ -158,7 +158,7 @@ def write_tensors(
 
     Args:
       folder: where to write (exists).
-      tensors: name -> numpy array, or a `LazyTensor` converted as it is written.
+      tensors: name -> numpy array, or a `LazyArray` converted as it is written.
       files: file name -> tensor names (a layout read by an import); default one file.
       metadata: file name -> its safetensors metadata; default `FILE_METADATA`.
       index_metadata: the index's `metadata` keys to keep; `total_size` and
@@ -180,7 +180,7 @@ def write_tensors(
                 safetensors_direct.write_file(tmp, chunk, meta)
             else:
                 safetensors.numpy.save_file(
-                    {k: v.materialize() if isinstance(v, LazyTensor) else v for k, v in chunk.items()},
+                    {k: v.materialize() if isinstance(v, LazyArray) else v for k, v in chunk.items()},
                     str(tmp), metadata=meta)
         except BaseException:
             tmp.unlink(missing_ok=True)

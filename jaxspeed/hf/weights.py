@@ -9,9 +9,7 @@ tensor maps by a transpose and a reshape, without permuting rows.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -19,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxspeed.checkpoint import CheckpointError
-from jaxspeed.hf.safetensors_direct import LazyTensor
+from jaxspeed.direct_io import LazyArray
 
 #: Per-layer tensors: HF name suffix -> (params path under `layers`, kind of mapping).
 _LAYER = {
@@ -127,15 +125,8 @@ def _copy_into(dst: np.ndarray, src, kind: str) -> None:
             dst[:, start + s:start + s + _STRIP] = block[s:s + _STRIP].T
 
 
-def _parallel(jobs: list) -> None:
-    """Runs the copies on every core: numpy releases the GIL inside each strip's copy."""
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for future in [pool.submit(job) for job in jobs]:
-            future.result()
-
-
 def param_shapes(model: Mapping[str, Any], dtype) -> dict[str, Any]:
-    """The GPT's params as a tree of `jax.ShapeDtypeStruct` (what `fill_params` fills)."""
+    """The GPT's params as a tree of `jax.ShapeDtypeStruct` (what `param_blocks` fill)."""
     d, shapes = _dims(model), hf_shapes(model)
 
     def spec(*shape: int) -> jax.ShapeDtypeStruct:
@@ -152,36 +143,47 @@ def param_shapes(model: Mapping[str, Any], dtype) -> dict[str, Any]:
     return tree
 
 
-def fill_params(read: Callable[[str], Any], model: Mapping[str, Any], into: Mapping[str, Any], *, source: str) -> None:
-    """Writes HF tensors into the GPT's params.
+def param_blocks(
+    read: Callable[[str], Any], model: Mapping[str, Any], *, dtype, source: str
+) -> dict[str, list]:
+    """The GPT's params from HF tensors, as `jaxspeed.params_checkpoint.write_params` blocks.
 
     Args:
       read: HF tensor name -> array or lazy `jaxspeed.hf.files.Tensor` (called once per
-        tensor, from several threads at once).
+        tensor, when its block is written).
       model: the `model:` keys (`jaxspeed.hf.config.MODEL_KEYS`).
-      into: `param_shapes`' tree of writable arrays (e.g. a params checkpoint's memory-mapped
-        files), cast to on the way.
+      dtype: the params' dtype (each tensor is cast to it).
       source: named in errors (the folder).
+
+    Returns:
+      `.`-joined params path -> fills, one per layer for the stacked layers (each writes
+      one HF tensor into its block, cast on the way).
     """
     shapes = hf_shapes(model)
 
-    def copy(name: str, kind: str, dst: np.ndarray) -> None:
+    def copy(name: str, kind: str, dst: np.ndarray, rows: slice = slice(None)) -> None:
         w = read(name)
         if tuple(w.shape) != shapes[name]:
             raise CheckpointError(
                 f"{source}: tensor {name} has shape {tuple(w.shape)}, the config needs {shapes[name]}"
             )
-        _copy_into(dst, w, kind)
+        _copy_into(dst, w if rows == slice(None) else w[rows], kind)
 
-    jobs = [
-        partial(copy, f"model.layers.{i}.{suffix}", kind, into["layers"][group][leaf][i])
-        for suffix, ((group, leaf), kind) in _LAYER.items() for i in range(model["n_layers"])
-    ]
-    jobs.append(partial(copy, "model.embed_tokens.weight", "vector", into["embedding"]))
-    jobs.append(partial(copy, "model.norm.weight", "vector", into["final_norm"]["scale"]))
+    def copy_rows(name: str, dst: np.ndarray, start: int) -> None:
+        copy(name, "vector", dst, rows=slice(start, start + len(dst)))
+
+    blocks = {
+        f"layers.{group}.{leaf}": [partial(copy, f"model.layers.{i}.{suffix}", kind)
+                                   for i in range(model["n_layers"])]
+        for suffix, ((group, leaf), kind) in _LAYER.items()
+    }
+    name = "model.embed_tokens.weight"
+    blocks["embedding"] = [LazyArray(shapes[name], np.dtype(dtype), partial(copy, name, "vector"),
+                                     fill_rows=partial(copy_rows, name))]
+    blocks["final_norm.scale"] = [partial(copy, "model.norm.weight", "vector")]
     if not model["tie_embeddings"]:
-        jobs.append(partial(copy, "lm_head.weight", "transpose", into["head"]))
-    _parallel(jobs)
+        blocks["head"] = [partial(copy, "lm_head.weight", "transpose")]
+    return blocks
 
 
 def _matrix(param: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
@@ -191,9 +193,9 @@ def _matrix(param: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
 
 def hf_tensors(params: Mapping[str, Any], model: Mapping[str, Any], *, dtype=None) -> dict[str, Any]:
     """HF tensors from the GPT's params, each converted when it is written; the inverse of
-    `fill_params`.
+    `param_blocks`.
 
-    Values are `LazyTensor`s (the transposed ones, and any cast), or the param itself where
+    Values are `LazyArray`s (the transposed ones, and any cast), or the param itself where
     a tensor is a plain copy in the same dtype. A leaf of `params` only needs indexing, so a
     params checkpoint's memory-mapped arrays (`jaxspeed.params_checkpoint.open_params`) are
     read as they are converted.
@@ -204,7 +206,7 @@ def hf_tensors(params: Mapping[str, Any], model: Mapping[str, Any], *, dtype=Non
     def tensor(name: str, src, kind: str):
         if kind == "vector" and np.dtype(src.dtype) == dtype and isinstance(src, np.ndarray):
             return src.reshape(shapes[name])
-        return LazyTensor(shapes[name], dtype, partial(_copy_into, src=src, kind=kind))
+        return LazyArray(shapes[name], dtype, partial(_copy_into, src=src, kind=kind))
 
     out = {
         name: tensor(name, _matrix(params["layers"][group][leaf][i], shapes[name]), kind)
