@@ -137,3 +137,17 @@ def test_cli_calibrate_writes_a_cluster_plan_auto_reads(tmp_path, capsys):
     cluster = load_cluster(out)
     assert cluster.name == printed["name"] == "this-box" and cluster.devices == jax.device_count()
     assert cluster.memory_bandwidth_gbps > 0 and cluster.peak_flops("fp32") > 0
+
+
+def test_offloaded_plans_compile_and_pay_the_host_link(cluster):
+    """ZeRO-3 with params and optimizer in host memory and `offload_dots` compiles here; its
+    step time includes the copies over the host link, and it does not recompute the
+    projections that full remat recomputes."""
+    config = js.load_config(CONFIG)
+    offloaded = Candidate(tuple((a, {"data": 8}.get(a, 1)) for a in AXES), 3, "offload_dots", 2, 1,
+                          None, "params")
+    cost = compiled_cost(config, offloaded, cluster, jax.devices())
+    assert cost.source == "compiled" and cost.analytic.host_s > 0
+    assert cost.step_s >= cost.analytic.host_s
+    full = compiled_cost(config, plan({"data": 8}, 3, "full"), cluster, jax.devices())
+    assert cost.flops < full.flops

@@ -58,8 +58,10 @@ def test_candidates_hold_the_global_batch_fixed():
         assert p.micro_batch * p.accumulation * s["data"] * s["expert"] == 32
         assert (p.schedule is not None) == (s["pipe"] > 1)
         assert p.offload in OFFLOAD and p.remat in REMAT and not (p.offload == "optimizer" and p.stage == 0)
+        assert p.offload != "params" or p.stage == 3  # only sharded params are offloaded
         if s["pipe"] > 1:
             assert p.accumulation >= s["pipe"]
+    assert {p.remat for p in plans} == set(REMAT) and {p.offload for p in plans} == set(OFFLOAD)
 
 
 def test_apply_sets_the_plan_and_keeps_the_rest():
@@ -73,6 +75,15 @@ def test_apply_sets_the_plan_and_keeps_the_rest():
     assert (out.train_micro_batch_size_per_device, out.gradient_accumulation_steps) == (4, 4)
     assert out.pipeline.schedule == "1f1b" and out.pipeline.num_microbatches == 4
     assert out.optimizer.params["lr"] == 0.01 and out.model == config.model
+
+
+def test_apply_offloads_params_and_optimizer_together():
+    config = js.load_config(None, overrides=BASE)
+    plan = Candidate((("pipe", 1), ("data", 8), ("sequence", 1), ("expert", 1), ("tensor", 1)),
+                     3, "offload_dots", 4, 1, None, "params")
+    zero = apply(config, plan).zero_optimization
+    assert (zero.stage, zero.offload_param.device, zero.offload_optimizer.device) == (3, "cpu", "cpu")
+    assert apply(config, plan).activation_checkpointing.policy == "offload_dots"
 
 
 def test_needs_a_global_batch():
@@ -100,8 +111,28 @@ def test_analytic_estimate_follows_the_plan():
     assert states[3] == pytest.approx(16 * total / 8, rel=1e-6)
     offloaded = est({"data": 8}, stage=1, offload="optimizer")
     assert offloaded.host_bytes == pytest.approx(8 * total / 8) and offloaded.state_bytes == 8 * total
-    acts = [est({"data": 8}, remat=r).activation_bytes for r in REMAT]
-    assert acts[0] > acts[1] > acts[2]
+    acts = {r: est({"data": 8}, remat=r) for r in REMAT}
+    assert (acts["none"].activation_bytes > acts["dots_with_no_batch_dims_saveable"].activation_bytes
+            > acts["full"].activation_bytes)
+    # dots_saveable also keeps each layer's fp32 attention scores: 4 heads x 32 keys a token
+    scores = acts["dots_saveable"].activation_bytes - acts["dots_with_no_batch_dims_saveable"].activation_bytes
+    assert scores == pytest.approx(4 * 4 * 32 * 4 * 32 * 4, rel=1e-6)  # layers x tokens x heads x L x 4 B
+    # offload_dots: the device keeps what full remat keeps; the projections go to the host
+    # and back each micro-step, at the host link's rate
+    offload_dots = acts["offload_dots"]
+    assert offload_dots.activation_bytes == acts["full"].activation_bytes
+    kept = acts["dots_with_no_batch_dims_saveable"].activation_bytes - acts["full"].activation_bytes
+    assert offload_dots.host_bytes > 0 and offload_dots.host_s > 0 and acts["full"].host_s == 0
+    slow = cluster.model_copy(update={"host_link": cluster.host_link.model_copy(update={"bandwidth_gbps": 1.0})})
+    plan = Candidate(tuple((a, {"data": 8}.get(a, 1)) for a in AXES), 0, "offload_dots", 4, 1)
+    assert estimate(config, plan, slow).host_s == pytest.approx(
+        offload_dots.host_s * cluster.host_link.bandwidth_gbps)
+    assert 0 < offload_dots.host_bytes <= kept + acts["full"].activation_bytes
+    # parameter offload: the fp32 params join the moments on the host; a bf16/fp32 compute
+    # copy stays, and fewer bytes cross the link than the optimizer offload's params coming back
+    opt, params = est({"data": 8}, stage=3, offload="optimizer"), est({"data": 8}, stage=3, offload="params")
+    assert params.host_bytes == pytest.approx(opt.host_bytes + 4 * total / 8, rel=1e-6)
+    assert params.state_bytes <= opt.state_bytes and 0 < params.host_s <= opt.host_s
     assert est({"data": 8}).comm_by_kind.keys() == {"all-reduce"}  # ZeRO-0: the gradient all-reduce
     assert est({"data": 4, "tensor": 2}).comm_by_kind["all-reduce"] > 0
     piped = est({"pipe": 2, "data": 4}, micro=1, accumulation=4, schedule="1f1b")

@@ -47,6 +47,10 @@ def test_preset_figures():
     assert slow.inter_host.bandwidth_gbps == pytest.approx(1.25 / 8)  # one 10 GbE NIC, 8 GPUs
     assert slow.peak_flops("float32") == 156e12
     assert load_cluster("8xh100-nvlink").device_memory_bytes == 80 * 2**30
+    # PCIe to the host, shared by two GPUs per switch: Gen3 x16 (16 GB/s) on a DGX-2
+    assert v100.host_link.bandwidth_gbps == 16 / 2
+    assert all(load_cluster(n).host_link.bandwidth_gbps < load_cluster(n).intra_host.bandwidth_gbps
+               for n in available_presets())
 
 
 def test_load_by_path(tmp_path):
@@ -101,12 +105,13 @@ def test_bad_value_names_key_and_value(tmp_path, key, value, expected):
     assert "\n" not in str(info.value)
 
 
-def test_missing_key_is_named(tmp_path):
+@pytest.mark.parametrize("key", ["inter_host", "host_link"])
+def test_missing_key_is_named(tmp_path, key):
     raw = _preset_dict("8xh100-nvlink")
-    del raw["inter_host"]
+    del raw[key]
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(ConfigError, match="inter_host is required"):
+    with pytest.raises(ConfigError, match=f"{key} is required"):
         load_cluster(path)
 
 
@@ -135,6 +140,7 @@ def test_calibrate_measures_the_cpu_devices(tmp_path):
         cluster.device_memory_bytes,
         cluster.host_memory_bytes,
         cluster.memory_bandwidth_gbps,
+        cluster.host_link.bandwidth_gbps,
     ]
     assert all(math.isfinite(value) and value > 0 for value in figures), figures
     assert 0 < cluster.efficiency <= 1

@@ -53,6 +53,9 @@ def calibrate(
     * `device_memory`: the device's allocator limit where it reports one (GPU, TPU); CPU
       devices share host RAM, so there it is RAM / local devices.
     * `host_memory`: physical RAM from `os.sysconf`.
+    * `host_link`: an array of `collective_mib` MiB per device copied to the host's memory
+      (`pinned_host`) and back, on every device at once, and of one float per device (the
+      latency); on CPU both memories are the same RAM, so this is a copy's rate.
     * `memory_bandwidth_gbps`: a fused elementwise pass over `collective_mib` MiB per device
       on every device at once, read plus written.
     * `efficiency`: the FLOP rate of a training step's matmuls over the bare matmul's: the
@@ -90,6 +93,7 @@ def calibrate(
     )
     latency_s, bandwidth = _link(mesh, collective_mib * 2**20, repeats)
     memory = _memory_bandwidth(mesh, collective_mib * 2**20, repeats)
+    host_latency_s, host_bandwidth = _host_link(mesh, collective_mib * 2**20, repeats)
     host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link = {"bandwidth_gbps": bandwidth / 1e9, "latency_us": latency_s * 1e6}
     fp32 = _matmul_flops(mesh, matmul_size, jnp.float32, repeats)
@@ -106,6 +110,7 @@ def calibrate(
         memory_bandwidth_gbps=memory / 1e9,
         intra_host=link,
         inter_host=link,
+        host_link={"bandwidth_gbps": host_bandwidth / 1e9, "latency_us": host_latency_s * 1e6},
         host_memory=host_memory,
     )
 
@@ -174,6 +179,26 @@ def _memory_bandwidth(mesh: jax.sharding.Mesh, nbytes: float, repeats: int) -> f
     x = jax.device_put(jnp.ones((mesh.size, per_device), jnp.float32), NamedSharding(mesh, P(_AXIS)))
     stream = jax.jit(lambda a: a * 1.5 + 1.0)
     return 2 * 4 * per_device / _median_seconds(stream, x, repeats=repeats)
+
+
+def _host_link(mesh: jax.sharding.Mesh, nbytes: float, repeats: int) -> tuple[float, float]:
+    """(latency in s, bandwidth in bytes/s) of one device's copies to host memory and back,
+    with every device copying at once."""
+    device = NamedSharding(mesh, P(_AXIS))
+    host = device.with_memory_kind("pinned_host")
+    to_host = jax.jit(lambda a: a, out_shardings=host)
+    to_device = jax.jit(lambda a: a, out_shardings=device)
+
+    def there_and_back(a):
+        return to_device(to_host(a))
+
+    per_device = max(1, round(nbytes / 4))
+    large = jax.device_put(jnp.ones((mesh.size, per_device), jnp.float32), device)
+    tiny = jax.device_put(jnp.ones((mesh.size, 1), jnp.float32), device)
+    large_s = _median_seconds(there_and_back, large, repeats=repeats)
+    tiny_s = _median_seconds(there_and_back, tiny, repeats=repeats)
+    transfer_s = large_s - tiny_s if large_s > tiny_s else large_s  # as in `_link`
+    return tiny_s / 2, 2 * 4 * per_device / transfer_s
 
 
 def _link(mesh: jax.sharding.Mesh, nbytes: float, repeats: int) -> tuple[float, float]:

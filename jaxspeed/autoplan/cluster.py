@@ -71,8 +71,8 @@ class Cluster(_Section):
     """Hosts of identical devices; the figures a plan's time and memory are estimated from.
 
     `efficiency` is the fraction of the matmul peak that a training step's matmuls reach on
-    this backend (0.5 unless calibrated). `inter_host` is required even for one host, so every
-    file names the same keys.
+    this backend (0.5 unless calibrated). `inter_host` is required even for one host, and
+    `host_link` even where nothing is offloaded, so every file names the same keys.
     """
 
     name: Annotated[str, Field(min_length=1)]
@@ -85,6 +85,9 @@ class Cluster(_Section):
     memory_bandwidth_gbps: Annotated[float, Field(strict=True, gt=0)]
     intra_host: Link
     inter_host: Link
+    #: between one device and its host's memory (PCIe-class): what offloaded optimizer state,
+    #: params and `offload_dots` activations cross, per device with every device copying.
+    host_link: Link
     host_memory: _Bytes
 
     @property

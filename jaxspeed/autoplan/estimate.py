@@ -5,11 +5,13 @@ no more (every figure per device, per optimizer step):
 - **State.** Params, gradients and Adam moments in fp32 (4 + 4 + 8 bytes per parameter), split
   over `pipe` (layers) and `tensor` (everything but norms), and over the ZeRO axes (`data`,
   `sequence`, `expert`) by stage: 1 splits the moments, 2 the gradients too, 3 the params too.
-  Optimizer offload moves the moments to host memory.
+  Optimizer offload moves the moments to host memory; parameter offload the fp32 params too,
+  leaving a compute-dtype copy on the device.
 - **Activations.** Per layer and token of a micro-batch, in the compute dtype: what the remat
   policy keeps (`_SAVED`) plus one layer's working set while it is recomputed, times the
   microbatches a pipeline stage holds at once (all of them for GPipe, `pipe` for 1F1B); plus
-  the fp32 logits of one micro-batch.
+  the fp32 logits of one micro-batch. `dots_saveable` also keeps the fp32 attention scores;
+  `offload_dots` keeps the projections' outputs in host memory instead.
 - **Compute.** 6 FLOPs per parameter per token for the matmuls (8 with full remat, which runs
   the forward twice) plus attention's 12·L·d per token and layer, divided over the devices
   that split the work, at the cluster's peak x its efficiency; plus each micro-step's two
@@ -20,9 +22,13 @@ no more (every figure per device, per optimizer step):
   activation hand-offs. Per step: the gradient all-reduce (stage 0) or reduce-scatter plus
   all-gather of the params (stages 1-2). Each collective is costed on the link its group
   crosses (`jaxspeed.autoplan.comm`).
+- **Host copies.** Per step, over the cluster's `host_link`: with offload, the gradient shard
+  to the host and the updated param shard back (with parameter offload, the compute-dtype
+  copy instead); with `offload_dots`, the offloaded activations out and back per micro-step.
+  The host's Adam update is not timed.
 - **Overlap (the one stated assumption): none.** Step time = compute / (1 - bubble) +
-  communication. On the emulated CPU devices collectives are copies on the same cores, so
-  nothing overlaps; on GPUs XLA overlaps part of it, which makes the model pessimistic for
+  communication + host copies. On the emulated CPU devices collectives are copies on the same
+  cores, so nothing overlaps; on GPUs XLA overlaps part of it, which makes the model pessimistic for
   communication-heavy plans by at most the overlapped share.
 """
 
@@ -40,15 +46,21 @@ from jaxspeed.precision import compute_dtype
 #: remat policy (the rest is recomputed in the backward pass). `none` keeps every
 #: intermediate: the attention block's inputs, q/k/v, output and the MLP's (counted
 #: separately, per d_ff); `dots...` keeps only the matmul outputs; `full` only the layer input.
-_SAVED = {"none": 10.0, "dots_with_no_batch_dims_saveable": 6.0, "full": 1.0}
+_SAVED = {"none": 10.0, "dots_saveable": 6.0, "dots_with_no_batch_dims_saveable": 6.0,
+          "offload_dots": 1.0, "full": 1.0}
 #: ... and per token, in units of d_ff x compute-dtype bytes (the MLP's hidden activations).
-_SAVED_FF = {"none": 3.0, "dots_with_no_batch_dims_saveable": 2.0, "full": 0.0}
+_SAVED_FF = {"none": 3.0, "dots_saveable": 2.0, "dots_with_no_batch_dims_saveable": 2.0,
+             "offload_dots": 0.0, "full": 0.0}
+#: What `offload_dots` keeps in host memory instead: the projections' outputs, as
+#: `dots_with_no_batch_dims_saveable` keeps them on the device.
+_OFFLOADED = {"offload_dots": "dots_with_no_batch_dims_saveable"}
 #: One layer's working set while it runs (forward or recomputed), per token, in d_model and
 #: d_ff units, on top of what is saved.
 _WORKING, _WORKING_FF = 10.0, 3.0
 #: Matmul FLOPs per parameter per token: forward 2, backward 4, and one more forward (2) when
 #: every layer is recomputed.
-_FLOPS_PER_PARAM = {"none": 6.0, "dots_with_no_batch_dims_saveable": 6.0, "full": 8.0}
+_FLOPS_PER_PARAM = {"none": 6.0, "dots_saveable": 6.0, "dots_with_no_batch_dims_saveable": 6.0,
+                    "offload_dots": 6.0, "full": 8.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +69,11 @@ class Estimate:
 
     state_bytes: int  #: params + grads + optimizer state on the device
     activation_bytes: int
-    host_bytes: int  #: state in host memory (offload)
+    host_bytes: int  #: state and activations in host memory (offload)
     flops: float  #: matmul FLOPs per device per step
     compute_s: float
     comm_s: float
+    host_s: float  #: copies between the device and host memory (offload)
     bubble: float  #: the pipeline's idle fraction
     step_s: float
     comm_by_kind: dict[str, float]
@@ -72,7 +85,7 @@ class Estimate:
     @property
     def bound(self) -> str:
         """What the step time is mostly made of: compute, network or bubble."""
-        parts = {"compute": self.compute_s, "network": self.comm_s,
+        parts = {"compute": self.compute_s, "network": self.comm_s, "host": self.host_s,
                  "bubble": self.compute_s * self.bubble / max(1e-12, 1 - self.bubble)}
         return max(parts, key=parts.get)
 
@@ -106,20 +119,34 @@ def estimate(config: Config, plan: Candidate, cluster: Any) -> Estimate:
         g_b /= zero
     if plan.stage >= 3:
         p_b /= zero
-    host = o_b if plan.offload == "optimizer" else 0.0
-    state = p_b + g_b + o_b - host
-
     dtype = compute_dtype(config)
     act = dtype.itemsize
+    host, host_moved = 0.0, 0.0  # bytes in host memory; bytes copied to or from it per step
+    state = p_b + g_b + o_b
+    if plan.offload != "none":  # the moments live on the host; the gradient shard goes there
+        host += o_b             # and the updated param shard comes back, once a step
+        state -= o_b
+        host_moved += 4 * params_here / zero * 2
+    if plan.offload == "params":  # fp32 masters on the host too; the device holds a
+        host += p_b               # compute-dtype copy, sent once a step (not sent back)
+        state += act * params_here / zero - p_b
+        host_moved += act * params_here / zero - 4 * params_here / zero
     tokens_micro = plan.micro_batch * config.data.seq_len / seq  # per device per micro-step
     per_layer_saved = tokens_micro * act * (_SAVED[plan.remat] * m.d_model / tensor
                                             + _SAVED_FF[plan.remat] * m.d_ff / tensor)
+    if plan.remat == "dots_saveable":  # also the attention scores (fp32), one row per token
+        per_layer_saved += tokens_micro * 4 * m.n_heads / tensor * config.data.seq_len / seq
     working = tokens_micro * act * (_WORKING * m.d_model / tensor + _WORKING_FF * m.d_ff / tensor)
     in_flight = 1
     if pipe > 1:
         in_flight = plan.accumulation if plan.schedule == "gpipe" else pipe
     logits = tokens_micro * m.vocab_size / tensor * 4 * 2  # fp32 logits and their gradient
     activations = in_flight * layers_here * per_layer_saved + working + logits
+    if plan.remat in _OFFLOADED:  # out to the host in the forward pass, back in the backward
+        kept = _OFFLOADED[plan.remat]
+        offloaded = tokens_micro * act * (_SAVED[kept] * m.d_model / tensor + _SAVED_FF[kept] * m.d_ff / tensor)
+        host += in_flight * layers_here * offloaded
+        host_moved += 2 * layers_here * offloaded * plan.accumulation
 
     tokens_step = plan.micro_batch * plan.accumulation * s["data"] * s["expert"] * config.data.seq_len
     matmul_params = m.n_layers * counts["layer_matmul"] + m.vocab_size * m.d_model
@@ -164,9 +191,10 @@ def estimate(config: Config, plan: Candidate, cluster: Any) -> Estimate:
     cost("all-to-all", hidden / tensor, ("sequence",), 8 * recompute * m.n_layers * micro_steps)
     cost("collective-permute", hidden, ("pipe",), 2 * micro_steps)
     comm_s = sum(by_kind.values())
-    step = compute / (1 - bubble) + comm_s
+    host_s = host_moved / (cluster.host_link.bandwidth_gbps * 1e9)
+    step = compute / (1 - bubble) + comm_s + host_s
     return Estimate(
         state_bytes=int(state), activation_bytes=int(activations), host_bytes=int(host),
-        flops=flops, compute_s=compute, comm_s=comm_s, bubble=bubble, step_s=step,
+        flops=flops, compute_s=compute, comm_s=comm_s, host_s=host_s, bubble=bubble, step_s=step,
         comm_by_kind=by_kind,
     )

@@ -16,7 +16,8 @@
 3. Plans are ranked by predicted step time: a roofline of the compiled step (its FLOPs at
    the cluster's peak x efficiency, or its memory traffic at the memory bandwidth, whichever
    is longer; `profiler.memory_traffic`), over 1 - bubble, plus the compiled step's
-   collectives on their links (no overlap: see `estimate`).
+   collectives on their links, plus the analytic copies to and from host memory of offloaded
+   state and activations over the `host_link` (no overlap: see `estimate`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax
 
 from jaxspeed.autoplan import comm
 from jaxspeed.autoplan.estimate import Estimate, estimate
-from jaxspeed.autoplan.space import Candidate, candidates
+from jaxspeed.autoplan.space import OFFLOAD, Candidate, candidates
 from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.precision import compute_dtype
@@ -95,9 +96,9 @@ def _unsharded_by_proxy(report: dict[str, Any], plan: Candidate, sizes: dict[str
     where XLA keeps part of them at full size, so the proxy's figure is an upper bound (measured
     on the tiny llama, ZeRO-3: +6% at proxy data 4 for data 8, +15% at data 2).
     """
-    sharded = [k for k, stage in (("opt_state", 1), ("params", 3)) if plan.stage >= stage]
-    if plan.offload == "optimizer" and "opt_state" in sharded:
-        sharded.remove("opt_state")  # in host memory, not counted on the device
+    on_host = {"none": (), "optimizer": ("opt_state",), "params": ("opt_state", "params")}
+    sharded = [k for k, stage in (("opt_state", 1), ("params", 3))
+               if plan.stage >= stage and k not in on_host[plan.offload]]  # host: not on the device
     kept = sizes["data"] / plan.sizes["data"]
     return int(sum(report["estimate"][k] for k in sharded) * (1 - kept))
 
@@ -128,9 +129,10 @@ def compiled_cost(config: Config, plan: Candidate, cluster: Any, devices: Sequen
         intra=cluster.intra_host, inter=cluster.inter_host,
         scale_axes={"data": plan.sizes["data"]} if sizes["data"] != plan.sizes["data"] else None,
     )
-    step = compute / (1 - real.bubble) + moved["total"]
+    # copies to and from host memory: analytic (on CPU both memories are the same RAM)
+    step = compute / (1 - real.bubble) + moved["total"] + real.host_s
     parts = {"compute" if matmul >= traffic else "memory": compute, "network": moved["total"],
-             "bubble": compute * real.bubble / max(1e-12, 1 - real.bubble)}
+             "host": real.host_s, "bubble": compute * real.bubble / max(1e-12, 1 - real.bubble)}
     source = "compiled" if sizes == plan.sizes else f"compiled (proxy data={sizes['data']})"
     return _finish(config, cluster, Ranked(plan, real, device_bytes, step, flops,
                                            max(parts, key=parts.get), source))
@@ -192,10 +194,12 @@ def search(
     costed = [(estimate(config, p, cluster), p)
               for p in track(plans, description="costing plans", disable=not progress)]
     fitting = sorted(((e, p) for e, p in costed if _fits(e, cluster)), key=lambda ep: ep[0].step_s)
-    # ZeRO-Offload buys room, not speed: offer it only where the same plan on the device does not fit
-    on_device = {dataclasses.replace(p, offload="none") for _, p in fitting if p.offload == "none"}
+    # Offload buys room, not speed: offer it only where the same plan with less offloaded
+    # (OFFLOAD's order) does not fit
+    fits = {p for _, p in fitting}
     fitting = [(e, p) for e, p in fitting
-               if p.offload == "none" or dataclasses.replace(p, offload="none") not in on_device]
+               if not any(dataclasses.replace(p, offload=less) in fits
+                          for less in OFFLOAD[:OFFLOAD.index(p.offload)])]
     if not fitting:
         est, plan = min(costed, key=lambda ep: ep[0].device_bytes - cluster.device_memory_bytes)
         raise NoPlanFits(

@@ -12,7 +12,7 @@ A plan is legal when the engine would run it and it respects the cluster's shape
 - the global batch is held fixed: micro-batch x accumulation x (data x expert) = the config's
   `train_batch_size`, and a pipeline's microbatches are its accumulation steps;
 - the sequence axis is not combined with a pipeline, MoE or 1-bit Adam (the engine refuses
-  them), and parameter offload needs ZeRO-3.
+  them); optimizer offload needs ZeRO 1-3, parameter offload ZeRO-3.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError
 from jaxspeed.mesh import AXES
 
-#: Remat policies searched, cheapest memory last.
-REMAT = ("none", "dots_with_no_batch_dims_saveable", "full")
+#: Remat policies searched (`jaxspeed.remat`), least device memory last; `offload_dots` keeps
+#: the projections' outputs in host memory.
+REMAT = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots", "full")
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
-#: Where the optimizer state lives: on the device, or in host memory (ZeRO-Offload).
-OFFLOAD = ("none", "optimizer")
+#: What lives in host memory: nothing, the optimizer state (ZeRO-Offload), or the optimizer
+#: state and the fp32 params (ZeRO-Infinity's CPU offload; ZeRO-3 only).
+OFFLOAD = ("none", "optimizer", "params")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +66,9 @@ class Candidate:
         out += [
             f"zero_optimization.stage={self.stage}",
             "zero_optimization.offload_optimizer.device="
-            + ("cpu" if self.offload == "optimizer" else "none"),
+            + ("none" if self.offload == "none" else "cpu"),
+            "zero_optimization.offload_param.device="
+            + ("cpu" if self.offload == "params" else "none"),
             f"activation_checkpointing.policy={self.remat}",
             f"train_micro_batch_size_per_device={self.micro_batch}",
             f"gradient_accumulation_steps={self.accumulation}",
@@ -130,4 +134,6 @@ def candidates(config: Config, devices: int, devices_per_host: int) -> Iterator[
             for stage, remat, schedule, offload in itertools.product(range(4), REMAT, schedules, OFFLOAD):
                 if offload == "optimizer" and stage == 0:
                     continue  # ZeRO-Offload partitions the state it moves (DeepSpeed: stage >= 1)
+                if offload == "params" and stage != 3:
+                    continue  # only sharded params are offloaded (DeepSpeed: stage 3)
                 yield Candidate(mesh, stage, remat, micro, accumulation, schedule, offload)
