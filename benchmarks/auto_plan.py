@@ -186,7 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 plans, short sequences, no scenarios")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per plan")
-    parser.add_argument("--verify", type=int, default=24, help="plans plan --auto compiles")
+    parser.add_argument("--verify", type=int, default=40, help="plans plan --auto compiles")
     args = parser.parse_args()
     args.steps = args.steps or (2 if args.quick else 5)
     _common.use_cpu_devices()

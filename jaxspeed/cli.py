@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --auto: a preset in configs/clusters/ or a cluster YAML "
                       "(`jaxspeed calibrate` writes one for this machine)")
     plan.add_argument("--top", type=int, default=5, metavar="N", help="with --auto: plans to show")
-    plan.add_argument("--verify", type=int, default=24, metavar="K",
+    plan.add_argument("--verify", type=int, default=40, metavar="K",
                       help="with --auto: compile the K analytically best plans (0: analytic only)")
     plan.add_argument("--apply", default=None, metavar="OUT.yaml",
                       help="with --auto: write the best plan as a config for `jaxspeed train`")
