@@ -90,7 +90,6 @@ class Stream:
         self.views = [np.frombuffer(b, np.uint8) for b in self.buffers]
         self.pending: list[Future | None] = [None, None]
         self.current, self.fill, self.total = 0, 0, 0
-        self.scratch = np.empty(0, np.uint8)
         self.sender = ThreadPoolExecutor(max_workers=1)
 
     def __enter__(self) -> Stream:

@@ -28,8 +28,8 @@ no more (every figure per device, per optimizer step):
   The host's Adam update is not timed.
 - **Overlap (the one stated assumption): none.** Step time = compute / (1 - bubble) +
   communication + host copies. On the emulated CPU devices collectives are copies on the same
-  cores, so nothing overlaps; on GPUs XLA overlaps part of it, which makes the model pessimistic for
-  communication-heavy plans by at most the overlapped share.
+  cores, so nothing overlaps; on GPUs XLA overlaps part of it, which makes the model
+  pessimistic for communication-heavy plans by at most the overlapped share.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Estimate:
 
     @property
     def bound(self) -> str:
-        """What the step time is mostly made of: compute, network or bubble."""
+        """What the step time is mostly made of: compute, network, host copies or bubble."""
         parts = {"compute": self.compute_s, "network": self.comm_s, "host": self.host_s,
                  "bubble": self.compute_s * self.bubble / max(1e-12, 1 - self.bubble)}
         return max(parts, key=parts.get)

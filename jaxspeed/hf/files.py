@@ -24,8 +24,8 @@ import safetensors
 import safetensors.numpy
 
 from jaxspeed.checkpoint import CheckpointError
-from jaxspeed.hf import safetensors_direct
 from jaxspeed.direct_io import LazyArray
+from jaxspeed.hf import safetensors_direct
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"

@@ -2,9 +2,7 @@
 
 `safetensors.numpy.save_file` writes through the page cache, from tensors that must all be in
 memory at once. Both cost fresh memory pages: the export's converted tensors and the cache's
-copy of the file. On the VMs these machines run on, touching a page the host has not backed
-yet costs far more than the copy itself (measured: `dd` into the page cache, 316-529 MB/s;
-with `oflag=direct`, 1.1-1.5 GB/s; reading the same file back from the cache, 1.7 GB/s).
+copy of the file, which on these VMs cost more than the copy itself (`jaxspeed.direct_io`).
 
 `write_file` produces the bytes `safetensors.numpy.save_file` does, through
 `jaxspeed.direct_io.writer`: tensors may be lazy (`LazyArray`), converted a few at a time, on
