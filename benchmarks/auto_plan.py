@@ -6,9 +6,10 @@
    and sequence, ZeRO stages 0-3, three remat policies, accumulation) are each predicted
    (compiled, as `plan --auto` verifies) and then trained for real. A plan's step time is the
    best over `--rounds` rounds of the median of `--steps` steps; each round goes over every
-   plan in turn, so a slow spell of the shared machine falls on all plans alike. Reported: Spearman's rank correlation between
-   predicted and measured step time (target >= 0.8), and the top-1 regret: the measured time
-   of the plan predicted fastest over the fastest measured (target <= 1.10).
+   plan in turn, so a slow spell of the shared machine falls on all plans alike. Reported:
+   Spearman's rank correlation between predicted and measured step time (target >= 0.8), and
+   the top-1 regret: the measured time of the plan predicted fastest over the fastest
+   measured (target <= 1.10).
    `ratio` = measured step time of the plan a user writes by hand (data-parallel ZeRO-3, full
    remat: the README's default) / measured step time of `plan --auto`'s choice (target >= 1).
 2. **The seeds' scenarios, predicted** (no hardware here, so predictions): a 1T-parameter GPT

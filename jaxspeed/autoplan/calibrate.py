@@ -195,9 +195,7 @@ def _host_link(mesh: jax.sharding.Mesh, nbytes: float, repeats: int) -> tuple[fl
     per_device = max(1, round(nbytes / 4))
     large = jax.device_put(jnp.ones((mesh.size, per_device), jnp.float32), device)
     tiny = jax.device_put(jnp.ones((mesh.size, 1), jnp.float32), device)
-    large_s = _median_seconds(there_and_back, large, repeats=repeats)
-    tiny_s = _median_seconds(there_and_back, tiny, repeats=repeats)
-    transfer_s = large_s - tiny_s if large_s > tiny_s else large_s  # as in `_link`
+    tiny_s, transfer_s = _split_latency(there_and_back, large, tiny, repeats)
     return tiny_s / 2, 2 * 4 * per_device / transfer_s
 
 
@@ -214,13 +212,18 @@ def _link(mesh: jax.sharding.Mesh, nbytes: float, repeats: int) -> tuple[float, 
     per_device = max(1, round(nbytes / 4 / g))
     large = jax.device_put(jnp.ones((g * per_device,), jnp.float32), sharding)
     tiny = jax.device_put(jnp.ones((g,), jnp.float32), sharding)
-    large_s = _median_seconds(gather, large, repeats=repeats)
-    tiny_s = _median_seconds(gather, tiny, repeats=repeats)
-    # Timing noise can make the large gather no slower than the tiny one when both are small;
-    # then its whole time is taken as transfer, which underestimates the bandwidth.
-    transfer_s = large_s - tiny_s if large_s > tiny_s else large_s
+    tiny_s, transfer_s = _split_latency(gather, large, tiny, repeats)
     total_bytes = 4 * g * per_device
     return tiny_s / (g - 1), (g - 1) / g * total_bytes / transfer_s
+
+
+def _split_latency(fn: Callable[..., Any], large: Any, tiny: Any, repeats: int) -> tuple[float, float]:
+    """(seconds of `fn(tiny)`, the latency; seconds `fn(large)` spends moving its bytes)."""
+    large_s = _median_seconds(fn, large, repeats=repeats)
+    tiny_s = _median_seconds(fn, tiny, repeats=repeats)
+    # Timing noise can make the large transfer no slower than the tiny one when both are
+    # small; then its whole time is taken as transfer, which underestimates the bandwidth.
+    return tiny_s, large_s - tiny_s if large_s > tiny_s else large_s
 
 
 def _device_memory(device: jax.Device, host_memory: int) -> int:

@@ -38,7 +38,7 @@ import dataclasses
 from typing import Any
 
 from jaxspeed.autoplan import comm
-from jaxspeed.autoplan.space import Candidate
+from jaxspeed.autoplan.space import ON_HOST, Candidate
 from jaxspeed.config import Config
 from jaxspeed.precision import compute_dtype
 
@@ -123,11 +123,11 @@ def estimate(config: Config, plan: Candidate, cluster: Any) -> Estimate:
     act = dtype.itemsize
     host, host_moved = 0.0, 0.0  # bytes in host memory; bytes copied to or from it per step
     state = p_b + g_b + o_b
-    if plan.offload != "none":  # the moments live on the host; the gradient shard goes there
+    if "opt_state" in ON_HOST[plan.offload]:  # the moments live on the host; the gradient shard goes there
         host += o_b             # and the updated param shard comes back, once a step
         state -= o_b
         host_moved += 4 * params_here / zero * 2
-    if plan.offload == "params":  # fp32 masters on the host too; the device holds a
+    if "params" in ON_HOST[plan.offload]:  # fp32 masters on the host too; the device holds a
         host += p_b               # compute-dtype copy, sent once a step (not sent back)
         state += act * params_here / zero - p_b
         host_moved += act * params_here / zero - 4 * params_here / zero

@@ -31,7 +31,7 @@ import jax
 
 from jaxspeed.autoplan import comm
 from jaxspeed.autoplan.estimate import Estimate, estimate
-from jaxspeed.autoplan.space import OFFLOAD, Candidate, candidates
+from jaxspeed.autoplan.space import OFFLOAD, ON_HOST, Candidate, candidates
 from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.precision import compute_dtype
@@ -96,9 +96,8 @@ def _unsharded_by_proxy(report: dict[str, Any], plan: Candidate, sizes: dict[str
     where XLA keeps part of them at full size, so the proxy's figure is an upper bound (measured
     on the tiny llama, ZeRO-3: +6% at proxy data 4 for data 8, +15% at data 2).
     """
-    on_host = {"none": (), "optimizer": ("opt_state",), "params": ("opt_state", "params")}
     sharded = [k for k, stage in (("opt_state", 1), ("params", 3))
-               if plan.stage >= stage and k not in on_host[plan.offload]]  # host: not on the device
+               if plan.stage >= stage and k not in ON_HOST[plan.offload]]  # host: not on the device
     kept = sizes["data"] / plan.sizes["data"]
     return int(sum(report["estimate"][k] for k in sharded) * (1 - kept))
 

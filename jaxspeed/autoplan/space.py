@@ -32,6 +32,8 @@ SCHEDULES = ("1f1b", "interleaved", "gpipe")
 #: What lives in host memory: nothing, the optimizer state (ZeRO-Offload), or the optimizer
 #: state and the fp32 params (ZeRO-Infinity's CPU offload; ZeRO-3 only).
 OFFLOAD = ("none", "optimizer", "params")
+#: The state each `OFFLOAD` value puts in host memory (the engine's `opt_state` / `params`).
+ON_HOST = {"none": (), "optimizer": ("opt_state",), "params": ("opt_state", "params")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +68,9 @@ class Candidate:
         out += [
             f"zero_optimization.stage={self.stage}",
             "zero_optimization.offload_optimizer.device="
-            + ("none" if self.offload == "none" else "cpu"),
+            + ("cpu" if "opt_state" in ON_HOST[self.offload] else "none"),
             "zero_optimization.offload_param.device="
-            + ("cpu" if self.offload == "params" else "none"),
+            + ("cpu" if "params" in ON_HOST[self.offload] else "none"),
             f"activation_checkpointing.policy={self.remat}",
             f"train_micro_batch_size_per_device={self.micro_batch}",
             f"gradient_accumulation_steps={self.accumulation}",
