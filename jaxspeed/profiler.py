@@ -17,6 +17,7 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -42,6 +43,7 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([^\s,)]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TO_APPLY = re.compile(r"\bto_apply=%?([^\s,)]+)")
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 # The forms of a collective's device groups in XLA's HLO text (see `_groups`).
 _MESH_GROUPS = re.compile(
     r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*)\))?\s*\{([^}]*)\}"
@@ -279,6 +281,64 @@ def _updates_in_place(ins: _Instruction, own: dict[str, list[_Instruction]]) -> 
     return bool(own.get(body)) and own[body][-1].op == "dynamic-update-slice"
 
 
+#: What `_fold` asks of an instruction: (instruction, every computation's instructions, its own
+#: computation's result types by instruction name) → a tuple of figures.
+_Cost = Callable[["_Instruction", dict[str, list["_Instruction"]], dict[str, str]], tuple[float, ...]]
+
+
+def _fold(hlo_text: str, cost: _Cost) -> tuple[float, ...]:
+    """`cost` summed over every instruction one run of the program executes, from optimized
+    HLO text: a loop body once per iteration (when XLA knows the trip count), the costliest
+    branch of a conditional (one runs; costliest by the sum of its figures), a `call`'s body
+    where it is called. Control flow and bookkeeping (`_NO_TRAFFIC`) cost nothing themselves."""
+    own, _, entry = _parse(hlo_text)
+    memo: dict[str, tuple[float, ...]] = {}
+
+    def total(computation: str, depth: int = 0) -> tuple[float, ...]:
+        if computation in memo or depth > 64:
+            return memo.get(computation, ())
+        instructions = own.get(computation, [])
+        types = {ins.name: ins.type_text for ins in instructions}
+        parts: list[tuple[float, ...]] = []
+        for ins in instructions:
+            if ins.op == "while":
+                trips = _TRIP_COUNT.search(ins.tail)
+                body = _add(*(total(c, depth + 1) for role, c in _CALLEE.findall(ins.tail)))
+                parts.append(tuple((int(trips.group(1)) if trips else 1) * x for x in body))
+            elif ins.op == "conditional":
+                branches = [c.strip().lstrip("%") for b in _BRANCHES.findall(ins.tail) for c in b.split(",")]
+                branches += [c for role, c in _CALLEE.findall(ins.tail)]
+                parts.append(max((total(c, depth + 1) for c in branches), key=sum, default=()))
+            elif ins.op == "call":
+                parts += [total(c, depth + 1) for c in _TO_APPLY.findall(ins.tail)]
+            elif ins.op not in _NO_TRAFFIC:
+                parts.append(cost(ins, own, types))
+        memo[computation] = _add(*parts)
+        return memo[computation]
+
+    return total(entry) if entry is not None else ()
+
+
+def _add(*parts: tuple[float, ...]) -> tuple[float, ...]:
+    """Element-wise sum of tuples (a shorter one counts as zeros)."""
+    width = max(map(len, parts), default=0)
+    return tuple(sum(p[i] for p in parts if i < len(p)) for i in range(width))
+
+
+def _operands(ins: _Instruction) -> list[str]:
+    return _OPERANDS.findall(ins.tail.partition(")")[0])
+
+
+def _bytes_moved(ins: _Instruction, own: dict[str, list[_Instruction]], types: dict[str, str]) -> int:
+    """What an instruction reads and writes in device memory: its operands and its result (a
+    fusion's inside stays in registers and cache), or for an in-place update its update only."""
+    result = sum(_array_bytes(ins.type_text))
+    operands = [sum(_array_bytes(types.get(o, ""))) for o in _operands(ins)]
+    if _updates_in_place(ins, own):
+        return 2 * sum(n for n in operands if n != result)
+    return result + sum(operands)
+
+
 def memory_traffic(hlo_text: str) -> int:
     """Bytes one run of the program reads and writes in device memory, from optimized HLO text.
 
@@ -287,36 +347,55 @@ def memory_traffic(hlo_text: str) -> int:
     unlike it, a loop body counts once per iteration, and a conditional counts its costliest
     branch (one runs).
     """
-    own, _, entry = _parse(hlo_text)
-    memo: dict[str, int] = {}
+    return int(sum(_fold(hlo_text, lambda ins, own, types: (_bytes_moved(ins, own, types),))))
 
-    def traffic(computation: str, depth: int = 0) -> int:
-        if computation in memo or depth > 64:
-            return memo.get(computation, 0)
-        instructions = own.get(computation, [])
-        sizes = {ins.name: sum(_array_bytes(ins.type_text)) for ins in instructions}
-        total = 0
-        for ins in instructions:
-            if ins.op == "while":
-                trips = _TRIP_COUNT.search(ins.tail)
-                body = sum(traffic(c, depth + 1) for role, c in _CALLEE.findall(ins.tail))
-                total += (int(trips.group(1)) if trips else 1) * body
-            elif ins.op == "conditional":
-                branches = [c.strip().lstrip("%") for b in _BRANCHES.findall(ins.tail) for c in b.split(",")]
-                branches += [c for role, c in _CALLEE.findall(ins.tail)]
-                total += max((traffic(c, depth + 1) for c in branches), default=0)
-            elif ins.op == "call":
-                total += sum(traffic(c, depth + 1) for c in _TO_APPLY.findall(ins.tail))
-            elif ins.op not in _NO_TRAFFIC:
-                operands = [sizes.get(o, 0) for o in _OPERANDS.findall(ins.tail.partition(")")[0])]
-                if _updates_in_place(ins, own):  # only the update moves, not the buffer
-                    total += 2 * sum(n for n in operands if n != sizes[ins.name])
-                else:
-                    total += sizes[ins.name] + sum(operands)
-        memo[computation] = total
-        return total
 
-    return traffic(entry) if entry is not None else 0
+def _dims(type_text: str) -> list[int]:
+    """The shape of the first array in an HLO type: "bf16[512,256]{1,0}" → [512, 256]."""
+    array = _ARRAY.search(type_text)
+    return [int(d) for d in array.group(2).split(",") if d] if array else []
+
+
+def _matmul_flops(ins: _Instruction, own: dict[str, list[_Instruction]], types: dict[str, str], depth: int = 0) -> int:
+    """FLOPs of a `dot` (2 x output elements x contracted size), or of the dots a fusion calls."""
+    if ins.op == "dot":
+        lhs, contracting = _operands(ins)[:1], _LHS_CONTRACTING.search(ins.tail)
+        if not lhs or contracting is None:
+            return 0
+        shape = _dims(types.get(lhs[0], ""))
+        k = math.prod(shape[int(i)] for i in contracting.group(1).split(",") if i)
+        return 2 * math.prod(_dims(ins.type_text)) * k
+    flops = 0
+    for role, callee in _CALLEE.findall(ins.tail) if ins.op == "fusion" and depth < 16 else ():
+        body = own.get(callee, []) if role == "calls" else []
+        inner = {i.name: i.type_text for i in body}
+        flops += sum(_matmul_flops(i, own, inner, depth + 1) for i in body)
+    return flops
+
+
+def roofline_seconds(hlo_text: str, *, flops_per_s: float, bytes_per_s: float) -> dict[str, float]:
+    """The program's time on a device that runs one instruction at a time, each at its own
+    roofline: the longer of its matmul FLOPs at `flops_per_s` and its memory traffic (as
+    `memory_traffic` counts it) at `bytes_per_s`. Collectives are left out: they are costed
+    on their links (`jaxspeed.autoplan.comm`).
+
+    Summed per instruction, not taken for the program as a whole: a matmul-bound projection
+    does not hide the memory-bound norm that runs after it.
+
+    Returns:
+      `{"compute": s, "memory": s, "flops": n}`: the seconds of the instructions bound by
+      their FLOPs, of those bound by memory, and the matmul FLOPs found. Matmuls compiled to
+      library calls (cuBLAS custom calls on GPU) are not seen; their FLOPs need counting apart.
+    """
+    def cost(ins, own, types):
+        if _collective(ins.op):
+            return (0.0, 0.0, 0.0)
+        flops = _matmul_flops(ins, own, types)
+        compute, memory = flops / flops_per_s, _bytes_moved(ins, own, types) / bytes_per_s
+        return (compute, 0.0, flops) if compute >= memory else (0.0, memory, flops)
+
+    compute, memory, flops = _fold(hlo_text, cost) or (0.0, 0.0, 0.0)
+    return {"compute": compute, "memory": memory, "flops": flops}
 
 
 def collective_bytes(hlo_text: str, *, num_devices: int = 1) -> dict[str, int]:

@@ -3,13 +3,13 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxspeed as js
 from jaxspeed.models.gpt import count_params
 from jaxspeed.profiler import (
-    Collective, collective_bytes, collectives, jaxpr_flops, memory_traffic, mfu, peak_flops,
+    Collective, collective_bytes, collectives, jaxpr_flops, memory_traffic, mfu, peak_flops, roofline_seconds,
 )
 
 
@@ -147,3 +147,50 @@ def test_memory_traffic_counts_an_in_place_update_by_its_update():
 
     text = jax.jit(update, donate_argnums=0).lower(big, row, 3).compile().as_text()
     assert memory_traffic(text) < big.nbytes  # not the whole buffer read and written
+
+
+def _roofline(fn, *args, flops_per_s=1e9, bytes_per_s=1e9):
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return roofline_seconds(text, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s), memory_traffic(text)
+
+
+def test_roofline_counts_each_matmul_and_sums_the_memory_bound_rest():
+    a, b = jnp.ones((256, 512), jnp.float32), jnp.ones((512, 128), jnp.float32)
+    matmul_flops = 2 * 256 * 512 * 128
+    roof, traffic = _roofline(lambda x, y: x @ y, a, b, flops_per_s=1e9, bytes_per_s=1e12)
+    assert roof["flops"] == matmul_flops  # found in the HLO, fused or not
+    assert roof["compute"] == pytest.approx(matmul_flops / 1e9) and roof["memory"] == 0
+    # the same program on a slow memory: the matmul becomes memory-bound
+    roof, traffic = _roofline(lambda x, y: x @ y, a, b, flops_per_s=1e15, bytes_per_s=1e6)
+    assert roof["compute"] == 0 and roof["memory"] == pytest.approx(traffic / 1e6)
+
+    # a matmul-bound matmul then a memory-bound elementwise pass: the times add, where a
+    # roofline of the whole program would take the larger of its FLOPs and its bytes
+    x = jnp.ones((512, 512), jnp.float32)
+
+    def both(x):
+        y = x @ x
+        return jnp.tanh(jnp.sort(y, axis=0))  # a sort stays out of the matmul's fusion
+
+    roof, traffic = _roofline(both, x, flops_per_s=2 * 512**3 / 1.0, bytes_per_s=1e9)
+    assert roof["compute"] == pytest.approx(1.0)
+    assert 0 < roof["memory"] < traffic / 1e9  # the rest, not the matmul's operands too
+    assert roof["compute"] + roof["memory"] > max(1.0, traffic / 1e9)
+
+
+def test_roofline_counts_loops_per_iteration_and_leaves_collectives_out():
+    x = jnp.ones((128, 128), jnp.float32)
+
+    def loop(a, n):
+        return jax.lax.fori_loop(0, n, lambda i, b: jnp.tanh(b @ a), a)
+
+    one, _ = _roofline(lambda a: loop(a, 1), x)
+    ten, _ = _roofline(lambda a: loop(a, 10), x)
+    assert ten["flops"] == 10 * one["flops"] == 10 * 2 * 128**3
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    sharded = jax.device_put(jnp.ones((8, 4096), jnp.float32), NamedSharding(mesh, P("d")))
+    text = jax.jit(lambda v: jnp.sum(v, axis=0)).lower(sharded).compile().as_text()
+    assert collectives(text, num_devices=8)  # an all-reduce, costed on its link elsewhere
+    roof = roofline_seconds(text, flops_per_s=1e9, bytes_per_s=1.0)
+    assert roof["memory"] < memory_traffic(text)  # its bytes are not counted here

@@ -13,11 +13,14 @@
    (`comm.step_comm_seconds(scale_axes=...)`). A plan whose other axes alone exceed the
    devices at hand keeps its analytic figures, is marked so, and ranks after the compiled
    ones (the two kinds of figure are not comparable).
-3. Plans are ranked by predicted step time: a roofline of the compiled step (its FLOPs at
-   the cluster's peak x efficiency, or its memory traffic at the memory bandwidth, whichever
-   is longer; `profiler.memory_traffic`), over 1 - bubble, plus the compiled step's
-   collectives on their links, plus the analytic copies to and from host memory of offloaded
-   state and activations over the `host_link` (no overlap: see `estimate`).
+3. Plans are ranked by predicted step time: the compiled step's instructions one after
+   another, each at its own roofline (its matmul FLOPs at the cluster's peak x efficiency, or
+   its memory traffic at the memory bandwidth, whichever is longer;
+   `profiler.roofline_seconds`), plus the compiled step's collectives on their links, plus
+   the analytic copies to and from host memory of offloaded state and activations over the
+   `host_link` (no overlap: see `estimate`). A pipeline's bubble is already in the compiled
+   figure: its loop runs every slot, an idle one as long as the costliest branch (on a real
+   device the idle stage waits that long for its neighbours).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from jaxspeed.autoplan.space import OFFLOAD, ON_HOST, Candidate, candidates
 from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.precision import compute_dtype
-from jaxspeed.profiler import collectives, memory_traffic
+from jaxspeed.profiler import collectives, roofline_seconds
 
 
 @dataclasses.dataclass
@@ -119,19 +122,19 @@ def compiled_cost(config: Config, plan: Candidate, cluster: Any, devices: Sequen
     device_bytes = report["per_device_bytes"]["device"] - _unsharded_by_proxy(report, plan, sizes)
     flops = profile["flops_per_device"]
     text = engine.compile_train_step().as_text()
-    # a roofline: the matmuls at the calibrated peak, or the memory traffic, whichever is longer
-    matmul = flops / (cluster.peak_flops(compute_dtype(config).name) * cluster.efficiency)
-    traffic = memory_traffic(text) / (cluster.memory_bandwidth_gbps * 1e9)
-    compute = max(matmul, traffic)
+    speed = cluster.peak_flops(compute_dtype(config).name) * cluster.efficiency
+    roof = roofline_seconds(text, flops_per_s=speed, bytes_per_s=cluster.memory_bandwidth_gbps * 1e9)
+    # matmuls the HLO hides in library calls (cuBLAS on GPU) count from the jaxpr
+    compute = roof["compute"] + max(0.0, flops - roof["flops"]) / speed
     moved = comm.step_comm_seconds(
         collectives(text, num_devices=n), sizes, devices_per_host=cluster.devices_per_host,
         intra=cluster.intra_host, inter=cluster.inter_host,
         scale_axes={"data": plan.sizes["data"]} if sizes["data"] != plan.sizes["data"] else None,
     )
     # copies to and from host memory: analytic (on CPU both memories are the same RAM)
-    step = compute / (1 - real.bubble) + moved["total"] + real.host_s
-    parts = {"compute" if matmul >= traffic else "memory": compute, "network": moved["total"],
-             "host": real.host_s, "bubble": compute * real.bubble / max(1e-12, 1 - real.bubble)}
+    step = compute + roof["memory"] + moved["total"] + real.host_s
+    parts = {"compute": compute, "memory": roof["memory"], "network": moved["total"], "host": real.host_s,
+             "bubble": (compute + roof["memory"]) * real.bubble}
     source = "compiled" if sizes == plan.sizes else f"compiled (proxy data={sizes['data']})"
     return _finish(config, cluster, Ranked(plan, real, device_bytes, step, flops,
                                            max(parts, key=parts.get), source))
