@@ -1,7 +1,8 @@
-"""What a compiled step costs: FLOPs, MFU, and the bytes of each collective it runs.
+"""What a compiled step costs: FLOPs, MFU, the bytes of each collective it runs, its memory
+traffic, and its time at a roofline per instruction.
 
 Everything here reads the compiled program, before step 0: `compiled.cost_analysis()` for FLOPs
-and the optimized HLO text for collectives.
+and the optimized HLO text for collectives, traffic and the roofline.
 
 Collective bytes are per device and per step, counted as the size of the full buffer each
 collective works on: all-reduce and all-to-all their operand, all-gather its (gathered)
@@ -283,7 +284,7 @@ def _updates_in_place(ins: _Instruction, own: dict[str, list[_Instruction]]) -> 
 
 #: What `_fold` asks of an instruction: (instruction, every computation's instructions, its own
 #: computation's result types by instruction name) → a tuple of figures.
-_Cost = Callable[["_Instruction", dict[str, list["_Instruction"]], dict[str, str]], tuple[float, ...]]
+_Cost = Callable[[_Instruction, dict[str, list[_Instruction]], dict[str, str]], tuple[float, ...]]
 
 
 def _fold(hlo_text: str, cost: _Cost) -> tuple[float, ...]:
