@@ -123,14 +123,15 @@ def estimate(config: Config, plan: Candidate, cluster: Any) -> Estimate:
     act = dtype.itemsize
     host, host_moved = 0.0, 0.0  # bytes in host memory; bytes copied to or from it per step
     state = p_b + g_b + o_b
-    if "opt_state" in ON_HOST[plan.offload]:  # the moments live on the host; the gradient shard goes there
-        host += o_b             # and the updated param shard comes back, once a step
-        state -= o_b
-        host_moved += 4 * params_here / zero * 2
-    if "params" in ON_HOST[plan.offload]:  # fp32 masters on the host too; the device holds a
-        host += p_b               # compute-dtype copy, sent once a step (not sent back)
+    on_host = ON_HOST[plan.offload]
+    if "opt_state" in on_host:  # the moments live on the host; once a step the fp32 gradient
+        host += o_b             # shard goes there and the updated param shard comes back, in
+        state -= o_b            # the compute dtype where the fp32 params stay on the host too
+        back = act if "params" in on_host else 4
+        host_moved += (4 + back) * params_here / zero
+    if "params" in on_host:  # the fp32 masters on the host; the device keeps a compute copy
+        host += p_b
         state += act * params_here / zero - p_b
-        host_moved += act * params_here / zero - 4 * params_here / zero
     tokens_micro = plan.micro_batch * config.data.seq_len / seq  # per device per micro-step
     per_layer_saved = tokens_micro * act * (_SAVED[plan.remat] * m.d_model / tensor
                                             + _SAVED_FF[plan.remat] * m.d_ff / tensor)
