@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--name", default="calibrated", help="the cluster's name in the file")
     calibrate.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                            help="emulate N CPU devices")
+    calibrate.add_argument("--repeats", type=int, default=5, metavar="R",
+                           help="timed rounds, each timing every figure once; each figure is its "
+                                "median (default 5)")
 
     bench = sub.add_parser("bench", help="run a benchmark from benchmarks/")
     bench.add_argument("name", help="benchmark name, e.g. zero_memory")
@@ -275,7 +278,7 @@ def _auto_plan(args) -> int:
 def _calibrate(args) -> int:
     from jaxspeed.autoplan.calibrate import main as calibrate
 
-    cluster = calibrate(args.out, name=args.name)
+    cluster = calibrate(args.out, name=args.name, repeats=args.repeats)
     print(json.dumps({"out": args.out, **cluster.model_dump(mode="json")}))
     return 0
 

@@ -132,11 +132,18 @@ def test_bf16_pipeline_compiles_at_the_default_optimisation_level(tmp_path, sche
 
 def test_cli_calibrate_writes_a_cluster_plan_auto_reads(tmp_path, capsys):
     out = tmp_path / "here.yaml"
-    assert main(["calibrate", "--out", str(out), "--name", "this-box"]) == 0
+    assert main(["calibrate", "--out", str(out), "--name", "this-box", "--repeats", "1"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     cluster = load_cluster(out)
     assert cluster.name == printed["name"] == "this-box" and cluster.devices == jax.device_count()
     assert cluster.memory_bandwidth_gbps > 0 and cluster.peak_flops("fp32") > 0
+
+
+def test_cli_calibrate_rejects_zero_repeats(tmp_path, capsys):
+    assert main(["calibrate", "--out", str(tmp_path / "here.yaml"), "--repeats", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "jaxspeed calibrate: error: calibrate: repeats must be a positive number, got 0"
+    assert not (tmp_path / "here.yaml").exists()
 
 
 def test_offloaded_plans_compile_and_pay_the_host_link(cluster):

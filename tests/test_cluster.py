@@ -6,6 +6,7 @@ import jax
 import pytest
 import yaml
 
+from jaxspeed.autoplan import calibrate as calibrate_module
 from jaxspeed.autoplan.calibrate import QUICK, calibrate, main
 from jaxspeed.autoplan.cluster import (
     PRESETS,
@@ -157,3 +158,21 @@ def test_calibrate_needs_two_devices():
 def test_calibrate_rejects_bad_sizes():
     with pytest.raises(JaxspeedError, match="repeats must be a positive number, got 0"):
         calibrate(repeats=0)
+
+
+def test_calibrate_times_every_figure_once_a_round_after_a_warm_up_round(monkeypatch):
+    calls = []
+    clock = iter(range(1000))
+    monkeypatch.setattr(calibrate_module.time, "perf_counter", lambda: next(clock) ** 2)
+
+    def probe(name):
+        return (lambda: calls.append(name)), ()
+
+    medians = calibrate_module._interleaved_medians({"a": probe("a"), "b": probe("b")}, 3)
+    # one compiling call each, an untimed round, then 3 rounds, each timing a and b once
+    assert calls == ["a", "b"] + ["a", "b"] * 4
+    # round r times a over perf_counter ticks 4r, 4r+1 and b over 4r+2, 4r+3 (squared, so
+    # later rounds take longer); the untimed round 0 is left out of the medians
+    a = [(4 * r + 1) ** 2 - (4 * r) ** 2 for r in (1, 2, 3)]
+    b = [(4 * r + 3) ** 2 - (4 * r + 2) ** 2 for r in (1, 2, 3)]
+    assert medians == {"a": a[1], "b": b[1]}

@@ -25,6 +25,8 @@ from jaxspeed.autoplan.cluster import Cluster, save_cluster
 from jaxspeed.errors import JaxspeedError
 
 _AXIS = "devices"
+#: Layers of the MLP whose training step gives `efficiency`.
+_LAYERS = 4
 
 #: Sizes that calibrate in a few seconds (`calibrate(**QUICK)`), for tests and smoke runs;
 #: the figures are rougher than the defaults'.
@@ -42,6 +44,9 @@ def calibrate(
     repeats: int = 5,
 ) -> Cluster:
     """Measures `devices` (default: all) and returns them as a `Cluster`.
+
+    Every figure below is the median of `repeats` rounds, each of which times every
+    measurement once, after one untimed round (`_interleaved_medians`).
 
     * `peak_tflops`: one jitted batch of `[n, n] @ [n, n]` matmuls, one per device, sharded
       over all devices; FLOPs / median time / devices, for float32 and bfloat16.
@@ -67,7 +72,7 @@ def calibrate(
       name: the cluster's name.
       matmul_size: `n` of the matmuls.
       collective_mib: bytes of the large all-gather's result, in MiB.
-      repeats: timed runs after one warm-up run; the median counts.
+      repeats: timed rounds after the warm-up round; each figure is its median.
 
     Raises:
       JaxspeedError: fewer than 2 devices (there is no link to measure), an uneven number
@@ -91,26 +96,44 @@ def calibrate(
     mesh = jax.make_mesh(
         (len(devices),), (_AXIS,), axis_types=(AxisType.Explicit,), devices=devices
     )
-    latency_s, bandwidth = _link(mesh, collective_mib * 2**20, repeats)
-    memory = _memory_bandwidth(mesh, collective_mib * 2**20, repeats)
-    host_latency_s, host_bandwidth = _host_link(mesh, collective_mib * 2**20, repeats)
+    g, n = len(devices), matmul_size
+    floats = max(1, round(collective_mib * 2**20 / 4))  # per device
+    shard = max(1, round(floats / g))  # the all-gather's input per device
+    seconds = _interleaved_medians(
+        {
+            "matmul_fp32": _matmul_probe(mesh, n, jnp.float32),
+            "matmul_bf16": _matmul_probe(mesh, n, jnp.bfloat16),
+            "training": _training_probe(mesh, n),
+            "stream": _stream_probe(mesh, floats),
+            "gather": _gather_probe(mesh, shard),
+            "gather_tiny": _gather_probe(mesh, 1),
+            "host": _host_probe(mesh, floats),
+            "host_tiny": _host_probe(mesh, 1),
+        },
+        repeats,
+    )
+    gathered = 4 * g * shard
+    link = {
+        "bandwidth_gbps": (g - 1) / g * gathered / _bare(seconds["gather"], seconds["gather_tiny"]) / 1e9,
+        "latency_us": seconds["gather_tiny"] / (g - 1) * 1e6,
+    }
+    host_link = {  # there and back
+        "bandwidth_gbps": 2 * 4 * floats / _bare(seconds["host"], seconds["host_tiny"]) / 1e9,
+        "latency_us": seconds["host_tiny"] / 2 * 1e6,
+    }
+    fp32 = 2 * n**3 / seconds["matmul_fp32"]
     host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    link = {"bandwidth_gbps": bandwidth / 1e9, "latency_us": latency_s * 1e6}
-    fp32 = _matmul_flops(mesh, matmul_size, jnp.float32, repeats)
     return Cluster(
         name=name,
         hosts=hosts,
-        devices_per_host=len(devices) // hosts,
+        devices_per_host=g // hosts,
         device_memory=_device_memory(devices[0], host_memory),
-        peak_tflops={
-            "bf16": _matmul_flops(mesh, matmul_size, jnp.bfloat16, repeats) / 1e12,
-            "fp32": fp32 / 1e12,
-        },
-        efficiency=min(1.0, _training_flops(mesh, matmul_size, repeats) / fp32),
-        memory_bandwidth_gbps=memory / 1e9,
+        peak_tflops={"bf16": 2 * n**3 / seconds["matmul_bf16"] / 1e12, "fp32": fp32 / 1e12},
+        efficiency=min(1.0, _training_flops(n) / seconds["training"] / fp32),
+        memory_bandwidth_gbps=2 * 4 * floats / seconds["stream"] / 1e9,
         intra_host=link,
         inter_host=link,
-        host_link={"bandwidth_gbps": host_bandwidth / 1e9, "latency_us": host_latency_s * 1e6},
+        host_link=host_link,
         host_memory=host_memory,
     )
 
@@ -146,84 +169,92 @@ def _check_sizes(**sizes: float) -> None:
             raise JaxspeedError(f"calibrate: {key} must be an int, got {sizes[key]!r}")
 
 
-def _matmul_flops(mesh: jax.sharding.Mesh, n: int, dtype: Any, repeats: int) -> float:
-    """FLOP/s of one device while every device runs one `[n, n] @ [n, n]` matmul."""
-    count = mesh.size
-    sharding = NamedSharding(mesh, P(_AXIS))
-    a = jax.device_put(jnp.ones((count, n, n), dtype), sharding)
-    matmuls = jax.jit(lambda x, y: jnp.einsum("bij,bjk->bik", x, y))
-    return 2 * n**3 / _median_seconds(matmuls, a, a, repeats=repeats)
+#: A timed call: a jitted function and its arguments.
+_Probe = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
-def _training_flops(mesh: jax.sharding.Mesh, n: int, repeats: int, layers: int = 4) -> float:
-    """FLOP/s of one device running the forward and backward pass of an MLP of `layers`
-    `[n, n]` layers (tanh between them) on `n` rows, while every device runs its own."""
+def _matmul_probe(mesh: jax.sharding.Mesh, n: int, dtype: Any) -> _Probe:
+    """Every device runs one `[n, n] @ [n, n]` matmul: `2 n^3` FLOPs per device."""
+    a = jax.device_put(jnp.ones((mesh.size, n, n), dtype), NamedSharding(mesh, P(_AXIS)))
+    return jax.jit(lambda x, y: jnp.einsum("bij,bjk->bik", x, y)), (a, a)
+
+
+def _training_probe(mesh: jax.sharding.Mesh, n: int) -> _Probe:
+    """Every device runs the forward and backward pass of its own MLP of `_LAYERS`
+    `[n, n]` layers (tanh between them) on `n` rows, in float32."""
     sharding = NamedSharding(mesh, P(_AXIS))
-    w = jax.device_put(jnp.full((mesh.size, layers, n, n), 1.0 / n, jnp.float32), sharding)
+    w = jax.device_put(jnp.full((mesh.size, _LAYERS, n, n), 1.0 / n, jnp.float32), sharding)
     x = jax.device_put(jnp.ones((mesh.size, n, n), jnp.float32), sharding)
 
     def loss(w, x):
-        for i in range(layers):
+        for i in range(_LAYERS):
             x = jnp.tanh(jnp.einsum("bij,bjk->bik", x, w[:, i]))
         return jnp.sum(x)
 
-    step = jax.jit(jax.grad(loss))
-    # forward: one matmul a layer; backward: two, but no input gradient for the first layer
-    return (3 * layers - 1) * 2 * n**3 / _median_seconds(step, w, x, repeats=repeats)
+    return jax.jit(jax.grad(loss)), (w, x)
 
 
-def _memory_bandwidth(mesh: jax.sharding.Mesh, nbytes: float, repeats: int) -> float:
-    """Bytes/s one device reads plus writes while every device streams an array of `nbytes`
-    through one fused elementwise loop (what most of a step's non-matmul time is)."""
-    per_device = max(1, round(nbytes / 4))
+def _training_flops(n: int) -> float:
+    """FLOPs per device of `_training_probe`: a matmul a layer forward, two backward, but no
+    input gradient for the first layer."""
+    return (3 * _LAYERS - 1) * 2 * n**3
+
+
+def _stream_probe(mesh: jax.sharding.Mesh, per_device: int) -> _Probe:
+    """Every device streams `per_device` floats through one fused elementwise loop (what most
+    of a step's non-matmul time is): `8 * per_device` bytes read plus written."""
     x = jax.device_put(jnp.ones((mesh.size, per_device), jnp.float32), NamedSharding(mesh, P(_AXIS)))
-    stream = jax.jit(lambda a: a * 1.5 + 1.0)
-    return 2 * 4 * per_device / _median_seconds(stream, x, repeats=repeats)
+    return jax.jit(lambda a: a * 1.5 + 1.0), (x,)
 
 
-def _host_link(mesh: jax.sharding.Mesh, nbytes: float, repeats: int) -> tuple[float, float]:
-    """(latency in s, bandwidth in bytes/s) of one device's copies to host memory and back,
-    with every device copying at once."""
+def _host_probe(mesh: jax.sharding.Mesh, per_device: int) -> _Probe:
+    """Every device copies `per_device` floats to host memory (`pinned_host`) and back."""
     device = NamedSharding(mesh, P(_AXIS))
-    host = device.with_memory_kind("pinned_host")
-    to_host = jax.jit(lambda a: a, out_shardings=host)
+    to_host = jax.jit(lambda a: a, out_shardings=device.with_memory_kind("pinned_host"))
     to_device = jax.jit(lambda a: a, out_shardings=device)
-
-    def there_and_back(a):
-        return to_device(to_host(a))
-
-    per_device = max(1, round(nbytes / 4))
-    large = jax.device_put(jnp.ones((mesh.size, per_device), jnp.float32), device)
-    tiny = jax.device_put(jnp.ones((mesh.size, 1), jnp.float32), device)
-    tiny_s, transfer_s = _split_latency(there_and_back, large, tiny, repeats)
-    return tiny_s / 2, 2 * 4 * per_device / transfer_s
+    x = jax.device_put(jnp.ones((mesh.size, per_device), jnp.float32), device)
+    return (lambda a: to_device(to_host(a))), (x,)
 
 
-def _link(mesh: jax.sharding.Mesh, nbytes: float, repeats: int) -> tuple[float, float]:
-    """(latency in s, bandwidth in bytes/s) of one device's link, from two all-gathers."""
-    g = mesh.size
+def _gather_probe(mesh: jax.sharding.Mesh, per_device: int) -> _Probe:
+    """An all-gather over every device of `per_device` floats each (`4 g per_device` bytes of
+    result per device)."""
     gather = jax.jit(
         jax.shard_map(
             lambda shard: jax.lax.all_gather(shard, _AXIS, tiled=True),
             mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
         )
     )  # fmt: skip
-    sharding = NamedSharding(mesh, P(_AXIS))
-    per_device = max(1, round(nbytes / 4 / g))
-    large = jax.device_put(jnp.ones((g * per_device,), jnp.float32), sharding)
-    tiny = jax.device_put(jnp.ones((g,), jnp.float32), sharding)
-    tiny_s, transfer_s = _split_latency(gather, large, tiny, repeats)
-    total_bytes = 4 * g * per_device
-    return tiny_s / (g - 1), (g - 1) / g * total_bytes / transfer_s
+    x = jax.device_put(jnp.ones((mesh.size * per_device,), jnp.float32), NamedSharding(mesh, P(_AXIS)))
+    return gather, (x,)
 
 
-def _split_latency(fn: Callable[..., Any], large: Any, tiny: Any, repeats: int) -> tuple[float, float]:
-    """(seconds of `fn(tiny)`, the latency; seconds `fn(large)` spends moving its bytes)."""
-    large_s = _median_seconds(fn, large, repeats=repeats)
-    tiny_s = _median_seconds(fn, tiny, repeats=repeats)
-    # Timing noise can make the large transfer no slower than the tiny one when both are
-    # small; then its whole time is taken as transfer, which underestimates the bandwidth.
-    return tiny_s, large_s - tiny_s if large_s > tiny_s else large_s
+def _bare(large_s: float, tiny_s: float) -> float:
+    """Seconds a large transfer spends moving its bytes: its time less the tiny one's.
+
+    Timing noise can make the large transfer no slower than the tiny one when both are small;
+    then its whole time is taken as transfer, which underestimates the bandwidth."""
+    return large_s - tiny_s if large_s > tiny_s else large_s
+
+
+def _interleaved_medians(probes: Mapping[str, _Probe], repeats: int) -> dict[str, float]:
+    """Median wall seconds of each probe over `repeats` rounds that time every probe once.
+
+    Each probe first runs once to compile, then one whole round runs untimed, so the first
+    timed round does not pay for cold caches, pages and threads (measured: the first
+    all-gather after start-up moved 0.6-0.9 GB/s where the next moved 2-3). Taking every figure
+    in each round means a slow spell of a shared machine falls on all of them alike, so their
+    ratios, which rank plans, hold even while the machine's speed drifts.
+    """
+    for fn, args in probes.values():
+        jax.block_until_ready(fn(*args))
+    times: dict[str, list[float]] = {name: [] for name in probes}
+    for _ in range(repeats + 1):
+        for name, (fn, args) in probes.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(samples[1:]) for name, samples in times.items()}
 
 
 def _device_memory(device: jax.Device, host_memory: int) -> int:
@@ -231,14 +262,3 @@ def _device_memory(device: jax.Device, host_memory: int) -> int:
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     return host_memory // jax.local_device_count()
-
-
-def _median_seconds(fn: Callable[..., Any], *args: Any, repeats: int) -> float:
-    """Median wall time of `fn(*args)` over `repeats` runs, after one run that compiles it."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
