@@ -11,7 +11,8 @@
    predicted and measured step time (target >= 0.8), beside the measurement's own: the
    medians of its even rounds against those of its odd rounds (no model can order the plans
    better than the machine repeats its own order); and the top-1 regret: the measured time of
-   the plan predicted fastest over the fastest measured (target <= 1.10). The first line
+   the plan predicted fastest over the fastest measured (target <= 1.10; that line's `ratio`
+   is its inverse, the fastest measured step over the predicted-best's). The first line
    also gives both correlations over the first twelve plans alone, the set of earlier runs.
    `ratio` = measured step time of the plan a user writes by hand (data-parallel ZeRO-3, full
    remat: the README's default) / measured step time of `plan --auto`'s choice (target >= 1).
@@ -177,8 +178,10 @@ def quality(args) -> list[dict]:
                        measurement_self_correlation_first_plans=round(repeatability_first, 3),
                        cluster=cluster.model_dump(mode="json")),
         _common.result(NAME, case="top-1 regret: measured time of the predicted-best / fastest measured",
-                       jaxspeed=round(regret, 3), baseline=1.1, unit="x", ratio=_common.ratio(1.1, regret),
-                       predicted_best=plans[best_predicted].describe(), target="<= 1.10"),
+                       jaxspeed=round(measured[best_predicted] * 1e3, 1), baseline=round(min(measured) * 1e3, 1),
+                       unit="ms/step", ratio=_common.ratio(min(measured), measured[best_predicted]),
+                       regret=round(regret, 3), predicted_best=plans[best_predicted].describe(),
+                       fastest=plans[measured.index(min(measured))].describe(), target="regret <= 1.10"),
         _common.result(NAME, case="hand-written plan (data 8, ZeRO-3, full remat) / plan --auto, measured",
                        jaxspeed=round(auto_measured * 1e3, 1), baseline=round(hand * 1e3, 1), unit="ms/step",
                        ratio=_common.ratio(hand, auto_measured), auto=auto.plan.describe(),
