@@ -10,7 +10,10 @@
    the shared machine falls on all plans alike. Reported: Spearman's rank correlation between
    predicted and measured step time (target >= 0.8), beside the measurement's own: the
    medians of its even rounds against those of its odd rounds (no model can order the plans
-   better than the machine repeats its own order); and the top-1 regret: the measured time of
+   better than the machine repeats its own order). That line's `baseline` is the
+   measurement's own correlation and its `ratio` the predicted one over it (null when the
+   measurement does not order the plans at all: its own correlation <= 0). Then the top-1
+   regret: the measured time of
    the plan predicted fastest over the fastest measured (target <= 1.10; that line's `ratio`
    is its inverse, the fastest measured step over the predicted-best's). The first line
    also gives both correlations over the first twelve plans alone, the set of earlier runs.
@@ -172,8 +175,9 @@ def quality(args) -> list[dict]:
     hand = measured[0]
     return [
         _common.result(NAME, case="rank correlation, predicted vs measured step time",
-                       jaxspeed=round(rho, 3), baseline=0.8, unit="spearman", ratio=_common.ratio(rho, 0.8),
-                       plans=len(plans), target=">= 0.8", measurement_self_correlation=round(repeatability, 3),
+                       jaxspeed=round(rho, 3), baseline=round(repeatability, 3), unit="spearman",
+                       ratio=_common.ratio(rho, repeatability) if repeatability > 0 else None,
+                       plans=len(plans), target=">= 0.8",
                        first_plans=min(FIRST, len(plans)), spearman_first_plans=round(rho_first, 3),
                        measurement_self_correlation_first_plans=round(repeatability_first, 3),
                        cluster=cluster.model_dump(mode="json")),
