@@ -16,8 +16,9 @@
    regret: the measured time of the plan predicted fastest over the fastest measured (target
    <= 1.10; that line's `ratio` is its inverse, the fastest measured step over the
    predicted-best's). The first line also gives both correlations over the first twelve
-   plans alone, the set of earlier runs. The third line's `ratio` = measured step time of the plan a user writes by hand (data-parallel ZeRO-3, full
-   remat: the README's default) / measured step time of `plan --auto`'s choice (target >= 1).
+   plans alone, the set of earlier runs. The third line's `ratio` = measured step time of
+   the plan a user writes by hand (data-parallel ZeRO-3, full remat: the README's default) /
+   measured step time of `plan --auto`'s choice (target >= 1).
 2. **The seeds' scenarios, predicted** (no hardware here, so predictions): a 1T-parameter GPT
    on `v100-32g-x800`, and for a 10B GPT on `8xa100-10gbe-x8` the speed-up of the best 3D plan
    over the best data-parallel-only plan; and the wall time `plan --auto` takes for the 1T

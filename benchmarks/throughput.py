@@ -27,9 +27,10 @@ in one run and 470 in another), so a peak timed once can land in a slow moment
 (`matmul_peak_gflops_xla_samples` lists XLA's fp32 timings). `peak_fraction` = the matmul
 FLOP/s jaxspeed achieves (tokens/s x the step's matmul FLOPs per token, `Engine.step_flops`,
 rematerialised passes included) / that peak, and `ceiling_tokens_per_s` = peak / FLOPs per
-token: no trainer runs faster on this machine, whatever its overheads. Where the CPU has bf16 matmul units (AVX-512
-BF16), a bf16 matmul runs faster than an fp32 one, so the bf16 configurations also report
-`peak_fraction_bf16`, against XLA's best bf16 matmul measured in the same run.
+token: no trainer runs faster on this machine, whatever its overheads. Where the CPU has bf16
+matmul units (AVX-512 BF16), a bf16 matmul runs faster than an fp32 one, so the bf16
+configurations also report `peak_fraction_bf16`, against XLA's best bf16 matmul measured in the
+same run.
 """
 
 from __future__ import annotations
