@@ -42,7 +42,8 @@ SMOKE      ?= tests/test_mesh.py tests/test_onebit.py tests/test_moe_parallel.py
               tests/test_sampling.py::test_greedy_with_cache_equals_argmax_without \
               tests/test_packing.py::test_packed_row_equals_each_document_alone \
               tests/test_offload.py::test_host_update_matches_device_update \
-              tests/test_autoplan_comm.py tests/test_params_checkpoint.py tests/test_profiler.py
+              tests/test_autoplan_comm.py tests/test_params_checkpoint.py tests/test_profiler.py \
+              tests/test_matmul.py
 test-jax-min: $(STAMP)
 	test -x $(VENV_MIN)/bin/python || $(PY) -m venv $(VENV_MIN)
 	$(VENV_MIN)/bin/python -m pip install --quiet --upgrade pip

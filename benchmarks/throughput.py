@@ -30,7 +30,9 @@ rematerialised passes included) / that peak, and `ceiling_tokens_per_s` = peak /
 token: no trainer runs faster on this machine, whatever its overheads. Where the CPU has bf16
 matmul units (AVX-512 BF16), a bf16 matmul runs faster than an fp32 one, so the bf16
 configurations also report `peak_fraction_bf16`, against XLA's best bf16 matmul measured in the
-same run.
+same run. On a CPU without bf16 matmul units, jaxspeed's bf16 dots take fp32 operands
+(`jaxspeed.matmul`; the JSON's `bf16_dot_operands` says which ran); MaxText's dots run as XLA
+gives them.
 """
 
 from __future__ import annotations
@@ -203,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspeed.config import load_config, resolve_batch
     from jaxspeed.engine import initialize
     from jaxspeed.host_allocator import keep_freed_memory
+    from jaxspeed.matmul import widens_bf16
     from jaxspeed.mesh import data_parallel_size, make_mesh
 
     rows = []
@@ -291,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             matmul_peak_gflops_by_library={k: round(v, 1) for k, v in peaks.items()},
             matmul_peak_gflops_xla_samples=[round(p["xla"], 1) for p in peak_samples],
             host_allocator=keep_freed_memory(),
+            bf16_dot_operands="fp32 (widened)" if widens_bf16() else "bf16",
             **row["roof"],
         )
         if best["maxtext"]:

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from jaxspeed.matmul import widens_bf16
 from test_benchmarks import ROOT, load_benchmark
 
 #: A stand-in for a MaxText venv's python: a config path for `-c`, one step line per step for
@@ -151,6 +152,8 @@ def test_without_maxtext_nothing_is_compared():
     assert line["peak_fraction"] == pytest.approx(achieved / line["matmul_peak_gflops"],
                                                   rel=1e-2)
     assert line["peak_fraction_bf16"] == pytest.approx(achieved / peaks["xla_bf16"], rel=1e-2)
+    # The benchmark runs in its own process: it says how its bf16 dots ran on this CPU.
+    assert line["bf16_dot_operands"] == ("fp32 (widened)" if widens_bf16() else "bf16")
 
 
 @pytest.mark.slow

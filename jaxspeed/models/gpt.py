@@ -25,7 +25,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType
 
-from jaxspeed import offload
+from jaxspeed import matmul, offload
 from jaxspeed.attention.block_sparse import IMPLS as SPARSE_IMPLS
 from jaxspeed.attention.block_sparse import block_sparse_attention
 from jaxspeed.attention.blocked import blocked_attention
@@ -179,7 +179,7 @@ def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = N
       `[batch, q_len, heads, head_dim]` in `v`'s dtype.
     """
     head_dim = q.shape[-1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = matmul.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
     scores = scores.astype(jnp.float32) / math.sqrt(head_dim)
     if q_positions is None:
         q_positions = jnp.arange(q.shape[1])
@@ -188,7 +188,7 @@ def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = N
         keep = keep & same_segment(segment_ids)
     scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return matmul.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 def same_segment(segment_ids: Array) -> Array:
@@ -335,7 +335,7 @@ class Attention(nn.Module):
         def project(name: str, heads: int) -> Array:
             kernel = _logical_param(
                 self, name, ("embed", "heads", "kv"), (embed, heads, head_dim), std=_INIT_STD)
-            y = jnp.einsum("ble,ehd->blhd", x, _cast(kernel, self.dtype))
+            y = matmul.einsum("ble,ehd->blhd", x, _cast(kernel, self.dtype))
             y = nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
             return checkpoint_name(y, "qkv")
 
@@ -365,7 +365,8 @@ class Attention(nn.Module):
         out = _logical_param(
             self, "out", ("heads", "kv", "embed"), (self.n_heads, head_dim, embed), std=self.out_std
         )
-        return checkpoint_name(jnp.einsum("blhd,hde->ble", y, _cast(out, self.dtype)), "attn_out")
+        y = matmul.einsum("blhd,hde->ble", y, _cast(out, self.dtype))
+        return checkpoint_name(y, "attn_out")
 
     def _share_kv_heads(self, k: Array, v: Array) -> tuple[Array, Array]:
         """Grouped-query attention: each group of query heads reads one key/value head."""
@@ -466,7 +467,7 @@ class Mlp(nn.Module):
 
         def project_in(name: str) -> Array:
             kernel = _logical_param(self, name, ("embed", "mlp"), (embed, self.d_ff), std=_INIT_STD)
-            return x @ _cast(kernel, self.dtype)
+            return matmul.einsum("...e,ef->...f", x, _cast(kernel, self.dtype))
 
         if self.kind == "swiglu":
             h = swiglu(project_in("wi_gate"), project_in("wi_up"))
@@ -475,7 +476,8 @@ class Mlp(nn.Module):
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
         h = checkpoint_name(h, "mlp_hidden")
         wo = _logical_param(self, "wo", ("mlp", "embed"), (self.d_ff, embed), std=self.out_std)
-        return checkpoint_name(h @ _cast(wo, self.dtype), "mlp_out")
+        y = matmul.einsum("...f,fe->...e", h, _cast(wo, self.dtype))
+        return checkpoint_name(y, "mlp_out")
 
 
 class Block(nn.Module):
@@ -752,12 +754,12 @@ class GPT(nn.Module):
         """Residual stream `[batch, length, embed]` → float32 logits `[batch, length, vocab]`."""
         x = self.final_norm(x)
         if self.tie_embeddings:
-            logits = jnp.einsum(
+            logits = matmul.einsum(
                 "ble,ve->blv", x, _cast(self.embedding, x.dtype),
                 preferred_element_type=jnp.float32,
             )
         else:
-            logits = jnp.einsum(
+            logits = matmul.einsum(
                 "ble,ev->blv", x, _cast(self.head, x.dtype), preferred_element_type=jnp.float32
             )
         logits = logits.astype(jnp.float32)

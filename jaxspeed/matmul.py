@@ -1,0 +1,85 @@
+"""The models' matmuls: `jnp.einsum`, with bf16 operands widened on CPUs without bf16 units.
+
+XLA:CPU hands bf16 dots to YNNPACK. Where the CPU multiplies bf16 natively (x86 AVX512-BF16 or
+AMX-BF16, Arm's BF16 extension) its bf16 kernels are the fastest. Elsewhere (AVX2, AVX-512
+without BF16) YNNPACK widens every operand element inside its inner loop, and its bf16 kernels
+run slower than its fp32 ones. Measured on a 2-core AVX2 EPYC with jax 0.12, 8 emulated
+devices, `configs/bench_tiny_llama.yaml` (fsdp8, bf16, full remat): 64% of the step's CPU time
+was in `ynn::dot_bf16_bf16_fp32_*_avx2_fma3`; with the operands widened first the median step
+was 7-10% shorter (four A/B runs, both programs interleaved in one process), same loss.
+
+`einsum` widens only on such a CPU, under XLA:CPU. The result is the same: a bf16 x bf16
+product is exact in fp32 and both kernels accumulate in fp32; only the order of the sums may
+differ. The dot still returns the dtype the plain einsum would (a bf16 output stays bf16), and
+the widened copies are rematerialised (`jax.checkpoint`), so the backward pass keeps the same
+bf16 residuals as before under every remat policy: no activation memory is added. The forward
+dots run in fp32; the backward pass's dots take the bf16 cotangent, and XLA runs some of them
+as bf16 dots again (15 of the 38 dots of that step). An fp32 product narrowed after the dot
+would widen those too (about 4% more), but a policy that saves dot outputs would then keep
+them in fp32. `JAXSPEED_CPU_BF16_MATMUL` overrides the choice: `native` (never widen),
+`widen` (always, on CPU), `auto` (the default).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxspeed.errors import JaxspeedError
+
+ENV = "JAXSPEED_CPU_BF16_MATMUL"
+CHOICES = ("auto", "native", "widen")
+#: CPU feature flags (`/proc/cpuinfo`) of matmul units that take bf16 operands: x86
+#: AVX512-BF16 and AMX-BF16, Arm's BF16 extension.
+BF16_MATMUL_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags in `/proc/cpuinfo` text: x86's `flags` lines, Arm's `Features`."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return frozenset(flags)
+
+
+@functools.cache
+def cpu_multiplies_bf16() -> bool:
+    """Whether this host's CPU has bf16 matmul units; True where it cannot tell (no
+    `/proc/cpuinfo`), so that an unknown CPU keeps XLA's own choice."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    return bool(cpu_flags(text) & BF16_MATMUL_FLAGS)
+
+
+def widens_bf16() -> bool:
+    """Whether `einsum` widens bf16 operands here: on the CPU backend, as `ENV` says."""
+    choice = os.environ.get(ENV, "auto")
+    if choice not in CHOICES:
+        raise JaxspeedError(f"{ENV} must be one of {CHOICES}, got {choice!r}")
+    if choice == "native" or jax.default_backend() != "cpu":
+        return False
+    return choice == "widen" or not cpu_multiplies_bf16()
+
+
+def einsum(spec: str, *operands: jax.Array, preferred_element_type=None) -> jax.Array:
+    """`jnp.einsum(spec, *operands, preferred_element_type=...)`, computed with fp32 operands
+    where `widens_bf16()` and an operand is bf16; same result dtype either way."""
+    if not (widens_bf16() and any(jnp.dtype(x.dtype) == jnp.bfloat16 for x in operands)):
+        return jnp.einsum(spec, *operands, preferred_element_type=preferred_element_type)
+    out = preferred_element_type or jnp.result_type(*operands)
+
+    def wide(*xs: jax.Array) -> jax.Array:
+        xs = [x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
+        return jnp.einsum(spec, *xs, preferred_element_type=out)
+
+    # Saving nothing inside: the backward pass widens the bf16 operands again rather than
+    # keeping fp32 copies, while an outer `dots` policy still sees (and saves) the dot's output.
+    return jax.checkpoint(wide)(*operands)
