@@ -1,4 +1,7 @@
-"""The models' matmuls: `jnp.einsum`, with bf16 operands widened on CPUs without bf16 units.
+"""The reference GPT's matmuls: `jnp.einsum`, bf16 operands widened on CPUs without bf16 units.
+
+The GPT's projections, MLP, attention products and head call `einsum` here; the MoE experts and
+the blocked and block-sparse attention kernels keep their own dots.
 
 XLA:CPU hands bf16 dots to YNNPACK. Where the CPU multiplies bf16 natively (x86 AVX512-BF16 or
 AMX-BF16, Arm's BF16 extension) its bf16 kernels are the fastest. Elsewhere (AVX2, AVX-512
