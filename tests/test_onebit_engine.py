@@ -99,36 +99,47 @@ def test_what_it_does_not_combine_with_is_a_clear_error(overrides, match):
         js.initialize(config(*ONEBIT, *overrides))
 
 
-#: Seeds of the convergence test (each is the init key and the data seed), and the bound on the
-#: mean over them of 1-bit Adam's relative final-loss gap to Adam (see the test's docstring).
+#: The convergence test: its seeds (each is the init key and the data seed), its lr schedule,
+#: and the bound on the mean over the seeds of 1-bit Adam's relative final-loss gap to Adam
+#: (see the test's docstring).
 CONVERGENCE_SEEDS = (0, 1, 2)
-CONVERGENCE_MEAN_GAP = 0.05
+CONVERGENCE_SCHEDULE = (
+    "scheduler={type: WarmupCosine, params: {warmup_num_steps: 30, total_num_steps: 300, "
+    "warmup_type: linear}}"
+)
+CONVERGENCE_MEAN_GAP = 0.04
 
 
 @pytest.mark.slow
 def test_converges_like_adam():
-    """300 steps, freeze at 20%: over 3 seeds, the final loss is on average within 5% of Adam's.
+    """300 steps, freeze at 20%: over 3 seeds, the final loss is on average within 4% of Adam's.
 
     The final loss is the mean of the last 20 steps' losses, Adam and 1-bit Adam see the same
-    data and init for a seed, and the gap is `(onebit - adam) / adam`. One seed's gap is not a
-    property of 1-bit Adam: it moves by several percent with the float sum order (another
-    jaxlib, XLA optimisation level or CPU). Measured (jax 0.12 at -O0 and at XLA's default
-    level, jax 0.11.2 at both; `--xla_cpu_max_isa=AVX2` changed no result):
+    data, init and lr schedule for a seed (peak 0.003, linear warm-up over 30 steps, cosine
+    decay to 0 at step 300, as in configs/gpt_tiny.yaml), and the gap is
+    `(onebit - adam) / adam`.
 
-    - correct, 25 seeds on jax 0.12 at -O0: median +1.7%, range -0.9% to +7.0% (10 seeds at
-      the default level: median +1.4%, up to +6.2%). Over the four configurations seed 0 gave
-      -0.05% to +0.4% (+3.1% on jax 0.10.2 on an AVX-512 CPU), seed 1 -0.2% to +0.3%, seed 2
-      +3.3% to +7.6% (there 1-bit Adam trails Adam from the freeze on).
-    - the mean over seeds 0, 1, 2: +1.2% to +2.5% in the four configurations.
-    - broken: without server error feedback the mean is +6.6% (-O0) and +6.9% (default);
-      without any error feedback +92% and +187%; a step that stops at the freeze +20.5%.
+    Why a decaying lr: at a constant lr the last 20 losses sample a noisy trajectory that the
+    float sum order (another CPU, jaxlib or XLA optimisation level) changes. One seed's gap
+    went from +3% to +18% between CPUs: on a 2-core AVX2 EPYC, 1-bit Adam's loss spiked at step
+    288 (1-bit Adam with an exact all-reduce instead of the compressed one: +5.6%). With the lr
+    decayed to 0 the run settles, and a seed's gap moves by about a point.
 
-    5% is twice the largest correct mean and below the subtlest broken variant. A single seed
-    would need a bound near 15% (twice its worst case), loose enough to pass the missing server
-    error feedback.
+    Measured on the AVX2 EPYC (jax 0.12; -O0, the suite's level, and XLA's default level):
+    - correct, seeds 0-11 at -O0 and 0-5 at the default level: per seed -0.4% to +4.4%, mean
+      +1.4%; the mean over seeds 0, 1, 2 is +1.6% at both levels, and no three consecutive
+      seeds average more than +2.3%.
+    - broken: without server error feedback, per seed +4.9% to +9.5%, and every three
+      consecutive seeds average +5.6% or more (seeds 0, 1, 2: +6.3% at -O0, +6.4% at the
+      default level); a step that stops at the freeze +16% to +21%.
+
+    4% lies between the two. The issue's "within 3%" for one seed is not a property a single
+    seed can show: one correct seed reached +4.4% while one broken seed stayed at +4.9%.
     """
     engines = {
-        name: js.initialize(config(f"optimizer.type={name}", f"optimizer.params={{{params}}}"))
+        name: js.initialize(config(
+            f"optimizer.type={name}", f"optimizer.params={{{params}}}", CONVERGENCE_SCHEDULE
+        ))
         for name, params in (("Adam", "lr: 0.003"), ("OneBitAdam", "lr: 0.003, freeze_step: 60"))
     }
     gaps = []
