@@ -129,9 +129,9 @@ def test_converges_like_adam():
     Measured on the AVX2 EPYC (jax 0.12; -O0, the suite's level, and XLA's default level):
     - correct, seeds 0-11 at -O0 and 0-5 at the default level: per seed -0.4% to +4.4%, mean
       +1.4%; the mean over seeds 0, 1, 2 is +1.6% at both levels, and no three consecutive
-      seeds average more than +2.3%.
+      seeds average more than +2.5%.
     - broken: without server error feedback, per seed +4.9% to +9.5%, and every three
-      consecutive seeds average +5.6% or more (seeds 0, 1, 2: +6.3% at -O0, +6.4% at the
+      consecutive seeds average +5.5% or more (seeds 0, 1, 2: +6.3% at -O0, +6.4% at the
       default level); a step that stops at the freeze +16% to +21%.
 
     4% lies between the two. The issue's "within 3%" for one seed is not a property a single
