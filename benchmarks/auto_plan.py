@@ -24,7 +24,8 @@
    over the best data-parallel-only plan; and the wall time `plan --auto` takes for the 1T
    case.
 
-`--quick` measures 4 plans at a short sequence, lets `plan --auto` compile 8 plans instead of
+`--quick` calibrates at `calibrate`'s small sizes (`QUICK`: rougher figures, seconds instead of
+minutes), measures 4 plans at a short sequence, lets `plan --auto` compile 4 plans instead of
 40, and skips the scenarios (tests).
 """
 
@@ -143,7 +144,7 @@ def measure(config, plans, *, rounds: int) -> list[list[float]]:
 def quality(args) -> list[dict]:
     import jax
 
-    from jaxspeed.autoplan.calibrate import calibrate
+    from jaxspeed.autoplan.calibrate import QUICK, calibrate
     from jaxspeed.autoplan.search import compiled_cost, search
     from jaxspeed.config import load_config
 
@@ -151,7 +152,7 @@ def quality(args) -> list[dict]:
                  "gradient_accumulation_steps=null", *(["data.seq_len=64", "data.max_bytes=400000"]
                                                        if args.quick else [])]
     config = load_config(CONFIG, overrides=overrides)
-    cluster = calibrate(name="this-machine")
+    cluster = calibrate(name="this-machine", **(QUICK if args.quick else {}))
     plans = [candidate(*p) for p in (QUICK_PLANS if args.quick else PLANS)]
     predicted = [compiled_cost(config, p, cluster, jax.devices()).step_s for p in plans]
     start = time.perf_counter()
@@ -230,14 +231,14 @@ def scenarios(args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 plans, short sequences, no scenarios")
+    parser.add_argument("--quick", action="store_true", help="quick calibration, 4 plans, short sequences, no scenarios")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of one step of every plan; a plan's time is its median (default 16)")
     parser.add_argument("--verify", type=int, default=None,
-                        help="plans plan --auto compiles (default 40; --quick: 8)")
+                        help="plans plan --auto compiles (default 40; --quick: 4)")
     args = parser.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 16)
-    args.verify = args.verify or (8 if args.quick else 40)
+    args.verify = args.verify or (4 if args.quick else 40)
     _common.use_cpu_devices()
     lines = quality(args)
     if not args.quick:

@@ -12,11 +12,22 @@ comparison of two programs must hold at both levels (see `tests/numerics.py`).
 A flag that the installed jaxlib does not know aborts the process, so the fast-compile flags
 are checked once, in a child process, before they are set; an unknown one stops the run with a
 message naming it. Subprocesses (examples, benchmarks, the CLI) inherit the flags.
+
+Many tests build the same engine, or a benchmark's subprocess compiles what a test already
+compiled. JAX's persistent compilation cache, in a directory made for this run and removed when
+it ends, lets every later compile of the same program (same HLO, flags and devices) load the
+executable instead: the workers and subprocesses share it through `JAX_COMPILATION_CACHE_DIR`.
+A loaded executable reports the same `memory_analysis()`, costs and HLO text as a compiled one.
+`JAXSPEED_TEST_XLA_CACHE=off` compiles everything afresh; an existing
+`JAX_COMPILATION_CACHE_DIR` is used as it is and kept.
 """
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -48,6 +59,21 @@ def _check_flags_accepted(flags: str) -> None:
         )
 
 
+def _use_compilation_cache() -> None:
+    switch = os.environ.get("JAXSPEED_TEST_XLA_CACHE", "on")
+    if switch not in ("on", "off"):
+        pytest.exit(f"JAXSPEED_TEST_XLA_CACHE must be 'on' or 'off', got {switch!r}", returncode=4)
+    if switch == "off" or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    cache = tempfile.mkdtemp(prefix="jaxspeed-test-xla-cache-")
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)  # the process that made it
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+    # every program the tests compile, however small or quick (the defaults skip those)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+_use_compilation_cache()
 _flags = " ".join((os.environ.get("XLA_FLAGS", ""), DEVICES, *_opt_flags())).strip()
 if not os.environ.get(_CHECKED):
     _check_flags_accepted(_flags)
