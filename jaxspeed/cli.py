@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--repeats", type=int, default=5, metavar="R",
                            help="timed rounds, each timing every figure once; each figure is its "
                                 "median (default 5)")
+    calibrate.add_argument("--matmul-size", type=int, default=2048, metavar="N",
+                           help="n of the [n, n] matmuls timed (default 2048; smaller is quicker "
+                                "and rougher)")
+    calibrate.add_argument("--collective-mib", type=float, default=16, metavar="MIB",
+                           help="MiB of the large all-gather, copy and elementwise pass (default 16)")
 
     bench = sub.add_parser("bench", help="run a benchmark from benchmarks/")
     bench.add_argument("name", help="benchmark name, e.g. zero_memory")
@@ -278,7 +283,8 @@ def _auto_plan(args) -> int:
 def _calibrate(args) -> int:
     from jaxspeed.autoplan.calibrate import main as calibrate
 
-    cluster = calibrate(args.out, name=args.name, repeats=args.repeats)
+    cluster = calibrate(args.out, name=args.name, repeats=args.repeats,
+                        matmul_size=args.matmul_size, collective_mib=args.collective_mib)
     print(json.dumps({"out": args.out, **cluster.model_dump(mode="json")}))
     return 0
 

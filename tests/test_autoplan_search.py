@@ -132,11 +132,21 @@ def test_bf16_pipeline_compiles_at_the_default_optimisation_level(tmp_path, sche
 
 def test_cli_calibrate_writes_a_cluster_plan_auto_reads(tmp_path, capsys):
     out = tmp_path / "here.yaml"
-    assert main(["calibrate", "--out", str(out), "--name", "this-box", "--repeats", "1"]) == 0
+    assert main(["calibrate", "--out", str(out), "--name", "this-box", "--repeats", "1",
+                 "--matmul-size", "256", "--collective-mib", "1"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     cluster = load_cluster(out)
     assert cluster.name == printed["name"] == "this-box" and cluster.devices == jax.device_count()
     assert cluster.memory_bandwidth_gbps > 0 and cluster.peak_flops("fp32") > 0
+    # the sizes reach calibrate, and the file says what it was measured with
+    assert "'matmul_size': 256" in out.read_text() and "'collective_mib': 1.0" in out.read_text()
+
+
+def test_cli_calibrate_rejects_a_size_that_is_not_positive(tmp_path, capsys):
+    assert main(["calibrate", "--out", str(tmp_path / "here.yaml"), "--matmul-size", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "jaxspeed calibrate: error: calibrate: matmul_size must be a positive number, got 0"
+    assert not (tmp_path / "here.yaml").exists()
 
 
 def test_cli_calibrate_rejects_zero_repeats(tmp_path, capsys):
