@@ -77,7 +77,7 @@ FULL = {
 }
 QUICK = {
     "budget": "3MiB", "d_model": 64, "n_layers": 1, "n_heads": 8, "d_ff": 128, "vocab": 64,
-    "block": 32, "sparse_block": 16, "granule": 128, "start": 256, "max_seq": 512,
+    "block": 32, "sparse_block": 16, "granule": 128, "start": 256, "max_seq": 256,
     "step_seq": 256, "repeats": 1,
 }
 
