@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = ("benchmark", "case", "jaxspeed", "baseline", "unit", "ratio")
-TIMEOUT_S = 1200  # generous: most quick runs take seconds, auto_plan 6 min alone on a 2-core AVX2 VM
+TIMEOUT_S = 1200  # generous: most quick runs take seconds, auto_plan about 2 minutes on a 2-core AVX2 VM
 
 
 @functools.cache
