@@ -18,8 +18,9 @@ compiled. JAX's persistent compilation cache, in a directory made for this run a
 it ends, lets every later compile of the same program (same HLO, flags and devices) load the
 executable instead: the workers and subprocesses share it through `JAX_COMPILATION_CACHE_DIR`.
 A loaded executable reports the same `memory_analysis()`, costs and HLO text as a compiled one.
-`JAXSPEED_TEST_XLA_CACHE=off` compiles everything afresh; an existing
-`JAX_COMPILATION_CACHE_DIR` is used as it is and kept.
+`JAXSPEED_TEST_XLA_CACHE=off` compiles everything afresh (it also sets aside a
+`JAX_COMPILATION_CACHE_DIR` of the environment); otherwise an existing one is used as it is, and
+kept.
 """
 
 import atexit
@@ -63,7 +64,10 @@ def _use_compilation_cache() -> None:
     switch = os.environ.get("JAXSPEED_TEST_XLA_CACHE", "on")
     if switch not in ("on", "off"):
         pytest.exit(f"JAXSPEED_TEST_XLA_CACHE must be 'on' or 'off', got {switch!r}", returncode=4)
-    if switch == "off" or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    if switch == "off":
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+        return
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     cache = tempfile.mkdtemp(prefix="jaxspeed-test-xla-cache-")
     atexit.register(shutil.rmtree, cache, ignore_errors=True)  # the process that made it

@@ -74,8 +74,10 @@ def test_a_run_compiles_into_a_cache_of_its_own_and_removes_it(tmp_path):
     assert not Path(cache).exists()  # and the directory went with the run
 
 
-def test_the_cache_can_be_switched_off(tmp_path):
-    assert cache_of(pytest_child(tmp_path, JAXSPEED_TEST_XLA_CACHE="off")) is None
+@pytest.mark.parametrize("given", [False, True])
+def test_the_cache_can_be_switched_off(tmp_path, given):
+    env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path)} if given else {}
+    assert cache_of(pytest_child(tmp_path, JAXSPEED_TEST_XLA_CACHE="off", **env)) is None
 
 
 def test_a_cache_directory_given_is_used_and_kept(tmp_path):
