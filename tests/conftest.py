@@ -38,10 +38,17 @@ DEVICES = "--xla_force_host_platform_device_count=8"
 _CHECKED = "_JAXSPEED_TEST_FLAGS_CHECKED"  # set once the controller has checked the flags
 
 
+def _switch(name: str, choices: tuple[str, str]) -> str:
+    """The environment switch `name`, one of `choices` (the first is the default); any other
+    value stops the run."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        pytest.exit(f"{name} must be {choices[0]!r} or {choices[1]!r}, got {value!r}", returncode=4)
+    return value
+
+
 def _opt_flags() -> tuple[str, ...]:
-    level = os.environ.get("JAXSPEED_TEST_XLA_OPT", "fast")
-    if level not in ("fast", "default"):
-        pytest.exit(f"JAXSPEED_TEST_XLA_OPT must be 'fast' or 'default', got {level!r}", returncode=4)
+    level = _switch("JAXSPEED_TEST_XLA_OPT", ("fast", "default"))
     return FAST_COMPILE if level == "fast" else ()
 
 
@@ -61,10 +68,7 @@ def _check_flags_accepted(flags: str) -> None:
 
 
 def _use_compilation_cache() -> None:
-    switch = os.environ.get("JAXSPEED_TEST_XLA_CACHE", "on")
-    if switch not in ("on", "off"):
-        pytest.exit(f"JAXSPEED_TEST_XLA_CACHE must be 'on' or 'off', got {switch!r}", returncode=4)
-    if switch == "off":
+    if _switch("JAXSPEED_TEST_XLA_CACHE", ("on", "off")) == "off":
         os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
         return
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
