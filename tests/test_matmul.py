@@ -132,6 +132,15 @@ def _two_layers(a, b):
     return jnp.sum(matmul.einsum("blm,bmn->bln", s, h).astype(jnp.float32))
 
 
+def _saved(monkeypatch, choice, fn, *args):
+    """The shapes and dtypes (`bf16[2,8]`) `fn`'s backward pass saves, widening as `choice`."""
+    monkeypatch.setenv(matmul.ENV, choice)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        jax.ad_checkpoint.print_saved_residuals(fn, *args)
+    return sorted(line.split()[0] for line in printed.getvalue().splitlines())
+
+
 @pytest.mark.parametrize("policy", ["none", "full", "dots_saveable",
                                     "dots_with_no_batch_dims_saveable"])
 def test_widening_keeps_the_residuals_of_every_policy(monkeypatch, policy):
@@ -140,15 +149,7 @@ def test_widening_keeps_the_residuals_of_every_policy(monkeypatch, policy):
     fn = _two_layers if policy == "none" else jax.checkpoint(
         _two_layers, policy=checkpoint_policy(policy))
     a, b = _operands()
-
-    def saved(choice):
-        monkeypatch.setenv(matmul.ENV, choice)
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            jax.ad_checkpoint.print_saved_residuals(fn, a, b)
-        return sorted(line.split()[0] for line in printed.getvalue().splitlines())  # bf16[2,8]
-
-    assert saved("widen") == saved("native")
+    assert _saved(monkeypatch, "widen", fn, a, b) == _saved(monkeypatch, "native", fn, a, b)
 
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=32)
@@ -173,14 +174,8 @@ def _gpt_step(policy, n_layers=TINY["n_layers"]):
 def test_gpt_keeps_the_residuals_of_every_policy_widened(monkeypatch, policy):
     """As `test_widening_keeps_the_residuals_of_every_policy`, inside the scanned layers of the
     model (where a `custom_vjp` around the dot would hide it from the `dots` policies)."""
-    def saved(choice):
-        monkeypatch.setenv(matmul.ENV, choice)
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            jax.ad_checkpoint.print_saved_residuals(*_gpt(policy))
-        return sorted(line.split()[0] for line in printed.getvalue().splitlines())
-
-    assert saved("widen") == saved("native")
+    loss, params = _gpt(policy)
+    assert _saved(monkeypatch, "widen", loss, params) == _saved(monkeypatch, "native", loss, params)
 
 
 @pytest.mark.parametrize("policy", ["none", "full", "dots_saveable"])
