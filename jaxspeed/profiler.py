@@ -45,6 +45,7 @@ _CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([^\s
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TO_APPLY = re.compile(r"\bto_apply=%?([^\s,)]+)")
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_DOT_DIMS = re.compile(r"\b(lhs|rhs)_(contracting|batch)_dims=\{([\d,]*)\}")
 # The forms of a collective's device groups in XLA's HLO text (see `_groups`).
 _MESH_GROUPS = re.compile(
     r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*)\))?\s*\{([^}]*)\}"
@@ -261,6 +262,59 @@ def collectives(hlo_text: str, *, num_devices: int = 1) -> list[Collective]:
             groups = _groups(ins.tail, num_devices)
             nbytes = _instruction_bytes(*kind, ins.type_text, len(groups[0]))
             found.append(Collective(kind[0], ins.name, computation, nbytes, executions[computation], groups))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Dot:
+    """One `dot` instruction of a compiled program: what it multiplies on each device, and how
+    often one run executes it."""
+
+    lhs: tuple[int, ...]  #: per-device shape of the left operand
+    rhs: tuple[int, ...]  #: per-device shape of the right operand
+    dtypes: tuple[str, str, str]  #: HLO element types of lhs, rhs and result, e.g. "f32"
+    #: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`, as `lax.dot_general`
+    #: takes them
+    dimension_numbers: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    executions: int  #: per run: loop trip counts multiplied, each conditional branch once
+
+    @property
+    def flops(self) -> int:
+        """FLOPs of one execution: 2 x every lhs element x the rhs's free (output) size."""
+        (_, contracting), (_, batch) = self.dimension_numbers
+        free = math.prod(d for i, d in enumerate(self.rhs) if i not in contracting + batch)
+        return 2 * math.prod(self.lhs) * free
+
+
+def dots(hlo_text: str) -> list[Dot]:
+    """Every `dot` instruction a run of the program reaches (fused ones included), from
+    optimized HLO text, in the order of the text. Matmuls compiled to library calls (cuBLAS
+    custom calls on GPU) are not `dot`s and are not listed."""
+    own, executions, _ = _parse(hlo_text)
+    found = []
+    for computation, instructions in own.items():
+        if not executions.get(computation):
+            continue
+        types = {ins.name: ins.type_text for ins in instructions}
+        for ins in instructions:
+            operands = _operands(ins)[:2]
+            if ins.op != "dot" or len(operands) < 2:
+                continue
+            lhs, rhs = (_ARRAY.search(types.get(o, "")) for o in operands)
+            result = _ARRAY.search(ins.type_text)
+            if lhs is None or rhs is None or result is None:
+                continue
+            dims = {(side, kind): tuple(_ints(numbers))
+                    for side, kind, numbers in _DOT_DIMS.findall(ins.tail)}
+            found.append(Dot(
+                lhs=tuple(_dims(lhs.group(0))), rhs=tuple(_dims(rhs.group(0))),
+                dtypes=(lhs.group(1), rhs.group(1), result.group(1)),
+                dimension_numbers=(
+                    (dims.get(("lhs", "contracting"), ()), dims.get(("rhs", "contracting"), ())),
+                    (dims.get(("lhs", "batch"), ()), dims.get(("rhs", "batch"), ())),
+                ),
+                executions=executions[computation],
+            ))
     return found
 
 

@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 from jaxspeed.matmul import widens_bf16
@@ -152,6 +153,10 @@ def test_without_maxtext_nothing_is_compared():
     assert line["peak_fraction"] == pytest.approx(achieved / line["matmul_peak_gflops"],
                                                   rel=1e-2)
     assert line["peak_fraction_bf16"] == pytest.approx(achieved / peaks["xla_bf16"], rel=1e-2)
+    # The step's own dots, replayed alone, and the share of their rate the step reaches.
+    assert line["dots_alone_fraction"] == pytest.approx(
+        line["dots_alone_gflops"] / line["matmul_peak_gflops"], rel=1e-2)
+    assert line["of_dots_alone"] == pytest.approx(achieved / line["dots_alone_gflops"], rel=1e-2)
     # The benchmark runs in its own process: it says how its bf16 dots ran on this CPU.
     assert line["bf16_dot_operands"] == ("fp32 (widened)" if widens_bf16() else "bf16")
 
@@ -167,3 +172,34 @@ def test_maxtext_is_timed_beside_jaxspeed(fake_maxtext):
     assert line["ratio"] == pytest.approx(line["jaxspeed"] / line["baseline"], rel=1e-3, abs=5e-4)
     assert line["maxtext_options"]["ici_fsdp_parallelism"] == "8"
     assert fake_maxtext in line["baseline_source"]
+
+
+def test_the_dots_alone_program_runs_each_dot_of_the_step_as_often():
+    import jax
+    from jax.sharding import AxisType
+
+    from jaxspeed.profiler import Dot, dots
+
+    replay = load_benchmark("step_dots")
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    matmul = (((1,), (0,)), ((), ()))
+    step = [
+        Dot((16, 32), (32, 64), ("f32", "f32", "f32"), matmul, executions=3),
+        Dot((2, 8, 4), (2, 4, 8), ("f32", "f32", "f32"), (((2,), (1,)), ((0,), (0,))), 2),
+        Dot((16, 32), (32, 64), ("f32", "f32", "f32"), matmul, executions=1),  # the same again
+    ]
+    fn, operands = replay._program(step, mesh)
+    replayed = dots(fn.lower(operands).compile().as_text())
+
+    def runs(found):
+        total = {}
+        for d in found:
+            key = (d.lhs, d.rhs, d.dtypes, d.dimension_numbers)
+            total[key] = total.get(key, 0) + d.executions
+        return total
+
+    assert runs(replayed) == runs(step)  # nothing merged, hoisted or left out
+    text = jax.jit(lambda a, b: a @ b).lower(jnp.ones((64, 64)), jnp.ones((64, 64))).compile().as_text()
+    result = replay.rate(text, mesh, repeats=2)
+    assert result["flops_per_device"] == 2 * 64**3 and result["dots_per_device"] == 1
+    assert result["gflops"] == pytest.approx(8 * 2 * 64**3 / result["seconds"] / 1e9)

@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 import jaxspeed as js
 from jaxspeed.models.gpt import count_params
 from jaxspeed.profiler import (
-    Collective, collective_bytes, collectives, jaxpr_flops, memory_traffic, mfu, peak_flops, roofline_seconds,
+    Collective, Dot, collective_bytes, collectives, dots, jaxpr_flops, memory_traffic, mfu, peak_flops,
+    roofline_seconds,
 )
 
 
@@ -194,3 +195,25 @@ def test_roofline_counts_loops_per_iteration_and_leaves_collectives_out():
     assert collectives(text, num_devices=8)  # an all-reduce, costed on its link elsewhere
     roof = roofline_seconds(text, flops_per_s=1e9, bytes_per_s=1.0)
     assert roof["memory"] < memory_traffic(text)  # its bytes are not counted here
+
+
+def test_dots_lists_each_dot_per_device_with_its_loop_executions():
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    x = jax.device_put(jnp.ones((8 * 16, 32), jnp.float32), NamedSharding(mesh, P("d")))
+    w = jnp.ones((32, 32), jnp.bfloat16)
+    q = jnp.ones((2, 16, 8), jnp.float32)
+
+    def fn(x, w, q):
+        h = jax.lax.fori_loop(0, 5, lambda i, h: jnp.tanh(h @ w.astype(jnp.float32)), x)
+        return h, jnp.einsum("bqd,bkd->bqk", q, q)
+
+    found = dots(jax.jit(fn).lower(x, w, q).compile().as_text())
+    assert sorted(found, key=lambda d: d.executions) == [
+        Dot(lhs=(2, 16, 8), rhs=(2, 16, 8), dtypes=("f32", "f32", "f32"),
+            dimension_numbers=(((2,), (2,)), ((0,), (0,))), executions=1),
+        # the rows of x on one device (16 of 128), once per iteration
+        Dot(lhs=(16, 32), rhs=(32, 32), dtypes=("f32", "f32", "f32"),
+            dimension_numbers=(((1,), (0,)), ((), ())), executions=5),
+    ]
+    assert [d.flops for d in found if d.executions == 5] == [2 * 16 * 32 * 32]
+    assert [d.flops for d in found if d.executions == 1] == [2 * 2 * 16 * 16 * 8]
