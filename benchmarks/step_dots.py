@@ -69,8 +69,9 @@ def rate(hlo_text: str, mesh, *, repeats: int = 5) -> dict:
     """The step's dots (from its optimized HLO text), run alone on `mesh`: best of `repeats`.
 
     Returns:
-      `{"gflops": aggregate GFLOP/s over all devices, "flops_per_device": per step,
-      "dots_per_device": dot executions per step, "seconds": the best run}`.
+      `{"gflops": aggregate GFLOP/s over all devices (at the best run), "flops_per_device":
+      per step, "dots_per_device": dot executions per step, "seconds": the best run,
+      "median_seconds": the median run}`.
     """
     import jax
 

@@ -44,7 +44,6 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([^\s,)]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TO_APPLY = re.compile(r"\bto_apply=%?([^\s,)]+)")
-_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _DOT_DIMS = re.compile(r"\b(lhs|rhs)_(contracting|batch)_dims=\{([\d,]*)\}")
 # The forms of a collective's device groups in XLA's HLO text (see `_groups`).
 _MESH_GROUPS = re.compile(
@@ -286,6 +285,26 @@ class Dot:
         return 2 * math.prod(self.lhs) * free
 
 
+def _dot(ins: _Instruction, types: dict[str, str], executions: int = 1) -> Dot | None:
+    """The `Dot` of a `dot` instruction; None where its operands' types are not in `types`."""
+    operands = _operands(ins)[:2]
+    arrays = [_ARRAY.search(types.get(o, "")) for o in operands] + [_ARRAY.search(ins.type_text)]
+    if len(operands) < 2 or None in arrays:
+        return None
+    lhs, rhs, result = arrays
+    dims = {(side, kind): tuple(_ints(numbers))
+            for side, kind, numbers in _DOT_DIMS.findall(ins.tail)}
+    return Dot(
+        lhs=tuple(_dims(lhs.group(0))), rhs=tuple(_dims(rhs.group(0))),
+        dtypes=(lhs.group(1), rhs.group(1), result.group(1)),
+        dimension_numbers=(
+            (dims.get(("lhs", "contracting"), ()), dims.get(("rhs", "contracting"), ())),
+            (dims.get(("lhs", "batch"), ()), dims.get(("rhs", "batch"), ())),
+        ),
+        executions=executions,
+    )
+
+
 def dots(hlo_text: str) -> list[Dot]:
     """Every `dot` instruction a run of the program reaches (fused ones included), from
     optimized HLO text, in the order of the text. Matmuls compiled to library calls (cuBLAS
@@ -296,26 +315,9 @@ def dots(hlo_text: str) -> list[Dot]:
         if not executions.get(computation):
             continue
         types = {ins.name: ins.type_text for ins in instructions}
-        for ins in instructions:
-            operands = _operands(ins)[:2]
-            if ins.op != "dot" or len(operands) < 2:
-                continue
-            lhs, rhs = (_ARRAY.search(types.get(o, "")) for o in operands)
-            result = _ARRAY.search(ins.type_text)
-            if lhs is None or rhs is None or result is None:
-                continue
-            dims = {(side, kind): tuple(_ints(numbers))
-                    for side, kind, numbers in _DOT_DIMS.findall(ins.tail)}
-            found.append(Dot(
-                lhs=tuple(_dims(lhs.group(0))), rhs=tuple(_dims(rhs.group(0))),
-                dtypes=(lhs.group(1), rhs.group(1), result.group(1)),
-                dimension_numbers=(
-                    (dims.get(("lhs", "contracting"), ()), dims.get(("rhs", "contracting"), ())),
-                    (dims.get(("lhs", "batch"), ()), dims.get(("rhs", "batch"), ())),
-                ),
-                executions=executions[computation],
-            ))
-    return found
+        found += [_dot(ins, types, executions[computation])
+                  for ins in instructions if ins.op == "dot"]
+    return [dot for dot in found if dot is not None]
 
 
 #: Instructions that move no data of their own (views, bookkeeping, control flow whose bodies
@@ -414,12 +416,8 @@ def _dims(type_text: str) -> list[int]:
 def _matmul_flops(ins: _Instruction, own: dict[str, list[_Instruction]], types: dict[str, str], depth: int = 0) -> int:
     """FLOPs of a `dot` (2 x output elements x contracted size), or of the dots a fusion calls."""
     if ins.op == "dot":
-        lhs, contracting = _operands(ins)[:1], _LHS_CONTRACTING.search(ins.tail)
-        if not lhs or contracting is None:
-            return 0
-        shape = _dims(types.get(lhs[0], ""))
-        k = math.prod(shape[int(i)] for i in contracting.group(1).split(",") if i)
-        return 2 * math.prod(_dims(ins.type_text)) * k
+        dot = _dot(ins, types)
+        return dot.flops if dot is not None else 0
     flops = 0
     for role, callee in _CALLEE.findall(ins.tail) if ins.op == "fusion" and depth < 16 else ():
         body = own.get(callee, []) if role == "calls" else []
