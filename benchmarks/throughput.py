@@ -35,7 +35,7 @@ same run. On a CPU without bf16 matmul units, jaxspeed's bf16 dots take fp32 ope
 gives them.
 
 `dots_alone_fraction` says how much of the gap to the peak is the matmuls' own: the step's
-dots, read from its compiled program and run alone on the same devices (`step_dots`), as a
+dots, read from its compiled program and run alone on the same devices (`_step_dots`), as a
 fraction of the same peak. `of_dots_alone` = jaxspeed's matmul FLOP/s / that rate; the rest of
 the gap is the step's other work (norms, softmax, casts, collectives, the optimizer).
 """
@@ -56,7 +56,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE.parent), str(_HERE)]
 
 import _common  # noqa: E402
-import step_dots  # noqa: E402
+import _step_dots  # noqa: E402
 
 NAME = "throughput"
 CONFIG = _common.ROOT / "configs" / "bench_tiny_llama.yaml"
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = maxtext_peer.run(args.maxtext, peer, steps=steps)
                 runs["maxtext"].append(aggregate(maxtext_records(seconds, tokens_per_step),
                                                  tokens_per_step=tokens_per_step, skip=skip)[0])
-        dots = step_dots.rate(engine.compile_train_step().as_text(), engine.mesh)
+        dots = _step_dots.rate(engine.compile_train_step().as_text(), engine.mesh)
         rows.append({"name": name, "about": about, "config": config, "runs": runs, "peer": peer,
                      "dots_alone_gflops": dots["gflops"],
                      "mesh": " x ".join(f"{k} {v}" for k, v in mesh.shape.items() if v > 1),

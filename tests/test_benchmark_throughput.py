@@ -180,7 +180,7 @@ def test_the_dots_alone_program_runs_each_dot_of_the_step_as_often():
 
     from jaxspeed.profiler import Dot, dots
 
-    replay = load_benchmark("step_dots")
+    replay = load_benchmark("_step_dots")
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
     matmul = (((1,), (0,)), ((), ()))
     step = [
