@@ -15,9 +15,13 @@ The program chains each dot to the one before it (one element of the next left o
 from __future__ import annotations
 
 import collections
-import time
+import sys
+from pathlib import Path
 
-import numpy as np
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE.parent), str(_HERE)]
+
+import _common  # noqa: E402
 
 #: HLO element type → JAX dtype name.
 _DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64"}
@@ -26,7 +30,6 @@ _DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float
 def _program(dots, mesh):
     """(jitted fn, its operands): every dot of `dots` `executions` times on every device."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -70,25 +73,15 @@ def rate(hlo_text: str, mesh, *, repeats: int = 5) -> dict:
 
     Returns:
       `{"gflops": aggregate GFLOP/s over all devices (at the best run), "flops_per_device":
-      per step, "dots_per_device": dot executions per step, "seconds": the best run,
-      "median_seconds": the median run}`.
+      per step, "dots_per_device": dot executions per step, "seconds": the best run}`.
     """
-    import jax
-
     from jaxspeed.profiler import dots as find_dots
 
     dots = find_dots(hlo_text)
     if not dots:
         raise ValueError("the compiled step has no dot instructions to replay")
     fn, pairs = _program(dots, mesh)
-    jax.block_until_ready(fn(pairs))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(pairs))
-        times.append(time.perf_counter() - start)
+    best = min(_common.interleaved_seconds({"dots": lambda: fn(pairs)}, repeats)["dots"])
     flops = sum(d.flops * d.executions for d in dots)
-    best = min(times)
     return {"gflops": mesh.size * flops / best / 1e9, "flops_per_device": flops,
-            "dots_per_device": sum(d.executions for d in dots), "seconds": best,
-            "median_seconds": float(np.median(times))}
+            "dots_per_device": sum(d.executions for d in dots), "seconds": best}
