@@ -111,6 +111,25 @@ def options(config) -> dict[str, str]:
     }
 
 
+def base_config(python: str | Path) -> str:
+    """The path of MaxText's `base.yml` in the venv of `python`.
+
+    Raises:
+      RuntimeError: `python` cannot be run, or cannot import maxtext.
+    """
+    script = ("import maxtext, os; "
+              "print(os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))")
+    try:
+        base = subprocess.run([str(python), "-c", script], capture_output=True, text=True)
+    except OSError as err:
+        raise RuntimeError(f"cannot run {python} ({err.strerror}); pass the Python of the venv "
+                           "`make maxtext` made") from err
+    if base.returncode:
+        raise RuntimeError(f"{python} cannot import maxtext (run `make maxtext`): "
+                           f"{base.stderr.strip().splitlines()[-1:]}")
+    return base.stdout.strip()
+
+
 def run(python: str | Path, opts: dict[str, str], *, steps: int, devices: int = 8,
         timeout: float = 1800.0) -> dict[int, float]:
     """Trains MaxText for `steps` steps with `opts`; returns {0-based step: seconds}.
@@ -118,12 +137,7 @@ def run(python: str | Path, opts: dict[str, str], *, steps: int, devices: int = 
     Raises:
       RuntimeError: MaxText failed or logged no step (with the end of its log).
     """
-    script = ("import maxtext, os; "
-              "print(os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))")
-    base = subprocess.run([str(python), "-c", script], capture_output=True, text=True)
-    if base.returncode:
-        raise RuntimeError(f"{python} cannot import maxtext (run `make maxtext`): "
-                           f"{base.stderr.strip().splitlines()[-1:]}")
+    base = base_config(python)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "DECOUPLE_GCLOUD": "TRUE",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     with tempfile.TemporaryDirectory(prefix="jaxspeed-maxtext-") as out:
@@ -133,7 +147,7 @@ def run(python: str | Path, opts: dict[str, str], *, steps: int, devices: int = 
                  "jax_cache_dir": ""}
         argv = [f"{k}={v}" for k, v in {**fixed, **opts}.items()]
         proc = subprocess.run(
-            [str(python), "-m", "maxtext.trainers.pre_train.train", base.stdout.strip(), *argv],
+            [str(python), "-m", "maxtext.trainers.pre_train.train", base, *argv],
             env=env, capture_output=True, text=True, timeout=timeout)
     log = proc.stdout + proc.stderr
     seconds = step_seconds(log)

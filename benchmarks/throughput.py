@@ -57,6 +57,7 @@ sys.path[:0] = [str(_HERE.parent), str(_HERE)]
 
 import _common  # noqa: E402
 import _step_dots  # noqa: E402
+import maxtext_peer  # noqa: E402
 
 NAME = "throughput"
 CONFIG = _common.ROOT / "configs" / "bench_tiny_llama.yaml"
@@ -203,11 +204,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--skip must be in [0, steps={steps}), got {skip}")
     if rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {rounds}")
+    if args.maxtext:  # before any training, not after the first round
+        try:
+            maxtext_peer.base_config(args.maxtext)
+        except RuntimeError as err:
+            parser.error(f"--maxtext: {err}")
     _common.use_cpu_devices()
 
     import jax
 
-    import maxtext_peer
     from jaxspeed.config import load_config, resolve_batch
     from jaxspeed.engine import initialize
     from jaxspeed.host_allocator import keep_freed_memory

@@ -134,6 +134,25 @@ def test_a_python_without_maxtext_is_a_clear_error():
         peer.run(sys.executable, {}, steps=1)
 
 
+def test_a_python_that_cannot_run_is_a_clear_error(tmp_path):
+    peer = load_benchmark("maxtext_peer")
+    with pytest.raises(RuntimeError, match="cannot run .*missing.*make maxtext"):
+        peer.base_config(tmp_path / "missing" / "python")
+
+
+@pytest.mark.parametrize("python", ["missing", sys.executable], ids=["missing", "no-maxtext"])
+def test_a_bad_maxtext_python_stops_before_any_training(tmp_path, capsys, monkeypatch, python):
+    bench = load_benchmark("throughput")
+    trained = []
+    monkeypatch.setattr(bench, "train_jaxspeed", lambda *a, **k: trained.append(a))
+    python = str(tmp_path / python) if python == "missing" else python
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--quick", "--maxtext", python])
+    assert stop.value.code == 2 and not trained
+    err = capsys.readouterr().err
+    assert "--maxtext: " in err and python in err and "make maxtext" in err
+
+
 @pytest.mark.slow
 def test_without_maxtext_nothing_is_compared():
     (line,) = quick_lines(None)
