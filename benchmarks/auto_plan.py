@@ -25,8 +25,8 @@
    case.
 
 `--quick` calibrates at `calibrate`'s small sizes (`QUICK`: rougher figures, seconds instead of
-minutes), measures 4 plans at a short sequence, lets `plan --auto` compile 4 plans instead of
-40, and skips the scenarios (tests).
+minutes), measures 4 plans at a short sequence after one warm-up step each (two otherwise),
+lets `plan --auto` compile 2 plans instead of 40, and skips the scenarios (tests).
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def candidate(mesh, stage, remat, micro, accumulation, schedule, offload="none")
                      offload)
 
 
-def measure(config, plans, *, rounds: int) -> list[list[float]]:
-    """Wall seconds of real train steps of each plan: after two warm-up steps each, `rounds`
+def measure(config, plans, *, rounds: int, warmup: int = 2) -> list[list[float]]:
+    """Wall seconds of real train steps of each plan: after `warmup` steps each, `rounds`
     rounds of one step of every plan in turn, so that the shared machine's slow spells (its
     speed drifts by 15% and more over minutes) fall on every plan alike. Returns each plan's
     samples in round order."""
@@ -126,7 +126,7 @@ def measure(config, plans, *, rounds: int) -> list[list[float]]:
         engine = initialize(run)
         state = engine.init(jax.random.key(0))
         batch = TokenDataset.from_config(run.data, seed=0).batch(0, global_batch=run.train_batch_size)
-        for _ in range(2):
+        for _ in range(warmup):
             state, metrics = engine.train_step(state, batch)
             jax.block_until_ready(metrics)
         runs.append([engine, state, batch])
@@ -159,7 +159,7 @@ def quality(args) -> list[dict]:
     auto = search(config, cluster, top=1, verify=args.verify, progress=False)[0]
     plan_seconds = time.perf_counter() - start
     extra = [] if auto.plan in plans else [auto.plan]
-    samples = measure(config, plans + extra, rounds=args.rounds)
+    samples = measure(config, plans + extra, rounds=args.rounds, warmup=1 if args.quick else 2)
     measured = [statistics.median(times) for times in samples]
     auto_measured = measured[(plans + extra).index(auto.plan)]
     measured = measured[:len(plans)]
@@ -235,10 +235,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of one step of every plan; a plan's time is its median (default 16)")
     parser.add_argument("--verify", type=int, default=None,
-                        help="plans plan --auto compiles (default 40; --quick: 4)")
+                        help="plans plan --auto compiles (default 40; --quick: 2)")
     args = parser.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 16)
-    args.verify = args.verify or (4 if args.quick else 40)
+    args.verify = args.verify or (2 if args.quick else 40)
     _common.use_cpu_devices()
     lines = quality(args)
     if not args.quick:

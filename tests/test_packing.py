@@ -34,17 +34,19 @@ def test_packed_row_equals_each_document_alone(impl, positions):
     docs, tokens, segment_ids, pos = packed_row()
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens))
 
+    @jax.jit
     def packed(params):
         return model.apply(params, tokens, segment_ids=segment_ids, positions=pos)
 
+    @jax.jit
     def alone(params):
         return jnp.concatenate([model.apply(params, d[None]) for d in docs], axis=1)
 
     assert_close(packed(params), alone(params), rtol=RTOL)
-    grads = [jax.grad(lambda p, f=f: jnp.sum(f(p) ** 2))(params) for f in (packed, alone)]
+    grads = [jax.jit(jax.grad(lambda p, f=f: jnp.sum(f(p) ** 2)))(params) for f in (packed, alone)]
     assert_close(grads[0], grads[1], rtol=RTOL)
     # without the segments the documents would see each other
-    assert not np.allclose(model.apply(params, tokens), alone(params), atol=1e-3)
+    assert not np.allclose(jax.jit(model.apply)(params, tokens), alone(params), atol=1e-3)
 
 
 def test_engine_passes_the_batch_token_features_to_the_model():
