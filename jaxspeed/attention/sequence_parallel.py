@@ -47,6 +47,8 @@ from jaxspeed.sharding.vma import vary_alike
 
 Array = jax.Array
 _F32 = jnp.float32
+#: How a ring step's chunk of queries sees a chunk of keys (`_Ring.mode`; `lax.switch` indices).
+_FULL, _DIAGONAL, _NONE = 0, 1, 2
 
 #: `model.sequence_parallel.impl` values.
 IMPLS = ("ulysses", "ring")
@@ -204,11 +206,21 @@ class _Ring(NamedTuple):
         """The original chunk index of `device`'s `slot`-th chunk."""
         return 2 * self.shards - 1 - device if slot else device
 
-    def mode(self, q_chunk: Array, kv_chunk: Array) -> Array | int:
-        """0: queries see all keys, 1: the diagonal (causal inside), 2: no key seen."""
+    def mode(self, me: Array, src: Array, a: int, b: int) -> Array | int:
+        """How `me`'s chunk slot `a` of queries sees `src`'s chunk slot `b` of keys: `_FULL`
+        (all keys), `_DIAGONAL` (causal inside) or `_NONE`.
+
+        A Python int where it is the same on every device and step: without causality, and
+        for the balanced layout's crossed slots (a device's first chunk, `me < S`, precedes
+        every device's second, `2S - 1 - src >= S`). Otherwise a traced one, for `lax.switch`.
+        """
         if not self.causal:
-            return 0
-        return jnp.where(q_chunk > kv_chunk, 0, jnp.where(q_chunk == kv_chunk, 1, 2))
+            return _FULL
+        if a != b:
+            return _NONE if a < b else _FULL
+        q_chunk, kv_chunk = self.chunk_id(me, a), self.chunk_id(src, b)
+        diagonal_or_none = jnp.where(q_chunk == kv_chunk, _DIAGONAL, _NONE)
+        return jnp.where(q_chunk > kv_chunk, _FULL, diagonal_or_none)
 
     def flash(self, causal: bool) -> dict:
         return dict(causal=causal, scale=self.scale, block_q=self.block_q, block_kv=self.block_kv)
@@ -244,9 +256,10 @@ def _pair_forward(ring: _Ring, mode, q, k, v):
     def none(q, k, v):
         return jnp.zeros_like(q, _F32), jnp.full_like(q[..., 0], -jnp.inf, _F32)
 
+    branches = (full, diagonal, none)  # in the order of _FULL, _DIAGONAL, _NONE
     if isinstance(mode, int):
-        return full(q, k, v)
-    return jax.lax.switch(mode, (full, diagonal, none), q, k, v)
+        return branches[mode](q, k, v)
+    return jax.lax.switch(mode, branches, q, k, v)
 
 
 def _pair_backward(ring: _Ring, mode, q, k, v, out, lse, d_out):
@@ -257,9 +270,10 @@ def _pair_backward(ring: _Ring, mode, q, k, v, out, lse, d_out):
         return jnp.zeros_like(q, _F32), jnp.zeros_like(k, _F32), jnp.zeros_like(v, _F32)
 
     args = (q, k, v, out, lse, d_out)
+    branches = (grads(False), grads(True), none)  # in the order of _FULL, _DIAGONAL, _NONE
     if isinstance(mode, int):
-        return grads(False)(*args)
-    return jax.lax.switch(mode, (grads(False), grads(True), none), *args)
+        return branches[mode](*args)
+    return jax.lax.switch(mode, branches, *args)
 
 
 def _ring_perm(shards: int) -> list[tuple[int, int]]:
@@ -282,7 +296,9 @@ def _ring_forward(ring: _Ring, q, k, v):
         outs, lses = list(outs), list(lses)
         for a in range(ring.chunks):
             for b in range(ring.chunks):
-                mode = ring.mode(ring.chunk_id(me, a), ring.chunk_id(src, b))
+                mode = ring.mode(me, src, a, b)
+                if isinstance(mode, int) and mode == _NONE:  # on every device: nothing to add
+                    continue
                 part = _pair_forward(ring, mode, qs[a], ks[b], vs[b])
                 outs[a], lses[a] = merge_parts(outs[a], lses[a], *part)
         return outs, lses
@@ -295,8 +311,8 @@ def _ring_forward(ring: _Ring, q, k, v):
     outs = [jnp.zeros_like(x, _F32) for x in qs]
     lses = [jnp.full_like(x[..., 0], -jnp.inf, _F32) for x in qs]
     # All S steps in the loop, the last one's send (k, v back home) unused. Peeling that step
-    # out of the loop doubles the attention code XLA compiles: a ring train step took 1.6x as
-    # long to compile that way, and ran slower on CPU. The extra send overlaps the last step.
+    # out of the loop doubled the attention code XLA compiles (a ring train step took 1.6x as
+    # long to compile, and ran no faster on CPU); the extra send overlaps the last step.
     (_, _, outs, lses), _ = jax.lax.scan(step, (k, v, outs, lses), jnp.arange(ring.shards))
     return _join(outs).astype(v.dtype), _join(lses)
 
@@ -319,7 +335,9 @@ def _ring_bwd(ring: _Ring, residuals, d_out):
         dqs = list(dqs)
         for a in range(n):
             for b in range(n):
-                mode = ring.mode(ring.chunk_id(me, a), ring.chunk_id(src, b))
+                mode = ring.mode(me, src, a, b)
+                if isinstance(mode, int) and mode == _NONE:
+                    continue
                 dq, dk, dv = _pair_backward(
                     ring, mode, qs[a], ks[b], vs[b], outs[a], lses[a], d_outs[a])
                 dqs[a], dks[b], dvs[b] = dqs[a] + dq, dks[b] + dk, dvs[b] + dv
