@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -222,6 +222,15 @@ class _Ring(NamedTuple):
         diagonal_or_none = jnp.where(q_chunk == kv_chunk, _DIAGONAL, _NONE)
         return jnp.where(q_chunk > kv_chunk, _FULL, diagonal_or_none)
 
+    def pairs(self, me: Array, src: Array) -> Iterator[tuple[int, int, Array | int]]:
+        """`(a, b, mode)` for each of `me`'s query slots `a` and `src`'s key slots `b`, less the
+        pairs no device computes (`mode` statically `_NONE`)."""
+        for a in range(self.chunks):
+            for b in range(self.chunks):
+                mode = self.mode(me, src, a, b)
+                if not (isinstance(mode, int) and mode == _NONE):
+                    yield a, b, mode
+
     def flash(self, causal: bool) -> dict:
         return dict(causal=causal, scale=self.scale, block_q=self.block_q, block_kv=self.block_kv)
 
@@ -294,13 +303,9 @@ def _ring_forward(ring: _Ring, q, k, v):
         src = (me - t) % ring.shards
         ks, vs = _split(k_t, ring.chunks), _split(v_t, ring.chunks)
         outs, lses = list(outs), list(lses)
-        for a in range(ring.chunks):
-            for b in range(ring.chunks):
-                mode = ring.mode(me, src, a, b)
-                if isinstance(mode, int) and mode == _NONE:  # on every device: nothing to add
-                    continue
-                part = _pair_forward(ring, mode, qs[a], ks[b], vs[b])
-                outs[a], lses[a] = merge_parts(outs[a], lses[a], *part)
+        for a, b, mode in ring.pairs(me, src):
+            part = _pair_forward(ring, mode, qs[a], ks[b], vs[b])
+            outs[a], lses[a] = merge_parts(outs[a], lses[a], *part)
         return outs, lses
 
     def step(carry, t):
@@ -333,14 +338,10 @@ def _ring_bwd(ring: _Ring, residuals, d_out):
         src = (me - t) % ring.shards
         ks, vs, dks, dvs = (_split(x, n) for x in (k_t, v_t, dk_t, dv_t))
         dqs = list(dqs)
-        for a in range(n):
-            for b in range(n):
-                mode = ring.mode(me, src, a, b)
-                if isinstance(mode, int) and mode == _NONE:
-                    continue
-                dq, dk, dv = _pair_backward(
-                    ring, mode, qs[a], ks[b], vs[b], outs[a], lses[a], d_outs[a])
-                dqs[a], dks[b], dvs[b] = dqs[a] + dq, dks[b] + dk, dvs[b] + dv
+        for a, b, mode in ring.pairs(me, src):
+            dq, dk, dv = _pair_backward(
+                ring, mode, qs[a], ks[b], vs[b], outs[a], lses[a], d_outs[a])
+            dqs[a], dks[b], dvs[b] = dqs[a] + dq, dks[b] + dk, dvs[b] + dv
         return _join(dks), _join(dvs), dqs
 
     def step(carry, t):
