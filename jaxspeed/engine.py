@@ -98,6 +98,8 @@ class Engine:
         else:
             self._train = {None: jit_step(functools.partial(train_step, self._spec, dp))}
         self._eval = jax.jit(functools.partial(eval_step, self._spec, dp), in_shardings=(shardings, None))
+        # one jit for every `init` call: a jit made per call traces and compiles it again
+        self._init = jax.jit(self._init_fn, out_shardings=shardings)
 
     def _phase(self, step: int | None) -> str | None:
         """The compiled step to run at `step`: 1-bit Adam's phase, or the one step."""
@@ -234,7 +236,7 @@ class Engine:
         # trip over activation constraints; `out_shardings` places the state. The mesh is set
         # for 1-bit Adam, whose init sizes its per-worker buffers from it.
         with jax.set_mesh(self.mesh):
-            return jax.jit(self._init_fn, out_shardings=self.state_shardings)(rng, params)
+            return self._init(rng, params)
 
     # -- steps ---------------------------------------------------------------------------
     def _context(self):

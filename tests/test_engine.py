@@ -1,5 +1,7 @@
 """Engine numerics against a single-device plain-optax reference, ZeRO memory, accumulation."""
 
+import logging
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -124,6 +126,17 @@ def test_state_lives_in_planned_shardings(engine_runs, stage):
     engine, state, _ = engine_runs["data4_tensor2", stage]
     for arr, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(engine.state_shardings)):
         assert arr.sharding.is_equivalent_to(sharding, arr.ndim)
+
+
+def test_init_again_neither_traces_nor_compiles(engine_runs, caplog):
+    """`init` keeps its jitted program: another seed reuses it (a real model's init compiles for
+    seconds), and each seed still gets its own state."""
+    engine, _, _ = engine_runs["data8", 3]  # its engine has run `init` once
+    with jax.log_compiles(), caplog.at_level(logging.DEBUG, logger="jax"):
+        again, other = engine.init(jax.random.key(0)), engine.init(jax.random.key(1))
+    assert not [r.getMessage() for r in caplog.records if "_init_fn" in r.getMessage()]
+    chex.assert_trees_all_equal(again, js.initialize(engine.config).init(jax.random.key(0)))
+    assert not np.array_equal(again.params["embedding"], other.params["embedding"])
 
 
 def state_bytes(engine):
