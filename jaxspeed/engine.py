@@ -82,6 +82,9 @@ class Engine:
         )
         dp = data_parallel_size(mesh)
         shardings = self.state_shardings
+        # one jit for every `init` call, so it compiles once (a jit made per call traces and
+        # compiles again); `abstract_state` evaluates it too, traced once for all its calls
+        self._init = jax.jit(self._init_fn, out_shardings=shardings)
         jit_step = functools.partial(
             jax.jit, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
         )
@@ -98,8 +101,6 @@ class Engine:
         else:
             self._train = {None: jit_step(functools.partial(train_step, self._spec, dp))}
         self._eval = jax.jit(functools.partial(eval_step, self._spec, dp), in_shardings=(shardings, None))
-        # one jit for every `init` call: a jit made per call traces and compiles it again
-        self._init = jax.jit(self._init_fn, out_shardings=shardings)
 
     def _phase(self, step: int | None) -> str | None:
         """The compiled step to run at `step`: 1-bit Adam's phase, or the one step."""
@@ -194,7 +195,7 @@ class Engine:
         """The state as `ShapeDtypeStruct`s carrying their shardings (no allocation)."""
         params = None if self.fns.init is not None else self.fns.abstract_params
         with jax.set_mesh(self.mesh):
-            shapes = jax.eval_shape(self._init_fn, jax.random.key(0), params)
+            shapes = jax.eval_shape(self._init, jax.random.key(0), params)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
             shapes,
