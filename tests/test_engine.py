@@ -130,10 +130,12 @@ def test_state_lives_in_planned_shardings(engine_runs, stage):
 
 def test_init_again_neither_traces_nor_compiles(engine_runs, caplog):
     """`init` keeps its jitted program: another seed reuses it (a real model's init compiles for
-    seconds), and each seed still gets its own state."""
+    seconds), and each seed still gets its own state. `abstract_state` traces it once."""
     engine, _, _ = engine_runs["data8", 3]  # its engine has run `init` once
+    engine.abstract_state()
     with jax.log_compiles(), caplog.at_level(logging.DEBUG, logger="jax"):
         again, other = engine.init(jax.random.key(0)), engine.init(jax.random.key(1))
+        engine.abstract_state()
     assert not [r.getMessage() for r in caplog.records if "_init_fn" in r.getMessage()]
     chex.assert_trees_all_equal(again, js.initialize(engine.config).init(jax.random.key(0)))
     assert not np.array_equal(again.params["embedding"], other.params["embedding"])
