@@ -194,8 +194,9 @@ class Engine:
     def abstract_state(self) -> TrainState:
         """The state as `ShapeDtypeStruct`s carrying their shardings (no allocation)."""
         params = None if self.fns.init is not None else self.fns.abstract_params
+        key = jax.eval_shape(jax.random.key, 0)  # nothing runs: the mesh may be a GPU's not here
         with jax.set_mesh(self.mesh):
-            shapes = jax.eval_shape(self._init, jax.random.key(0), params)
+            shapes = jax.eval_shape(self._init, key, params)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
             shapes,
