@@ -60,8 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
         "train_batch_size are kept)",
     )
     plan.add_argument("--cluster", default=None, metavar="NAME|FILE",
-                      help="with --auto: a preset in configs/clusters/ or a cluster YAML "
-                      "(`jaxspeed calibrate` writes one for this machine)")
+                      help="a preset in configs/clusters/ or a cluster YAML (`jaxspeed "
+                      "calibrate` writes one for this machine); a preset that names its GPU "
+                      "implies --target and --devices")
+    plan.add_argument(
+        "--target", default=None, metavar="GPU",
+        help="compile the train step for this GPU without one (h100, h200, a100; needs the "
+        "gpu-compile extra): memory from XLA:GPU, no timing, no autotuning",
+    )
+    plan.add_argument("--devices", type=int, default=None, metavar="N",
+                      help="with --target: GPUs to compile for (default 8, or the cluster's)")
     plan.add_argument("--top", type=int, default=5, metavar="N", help="with --auto: plans to show")
     plan.add_argument("--verify", type=int, default=40, metavar="K",
                       help="with --auto: compile the K analytically best plans (0: analytic only)")
@@ -188,12 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     except JaxspeedError as err:
         print(f"jaxspeed {args.command}: error: {err}", file=sys.stderr)
         return 2
-    if getattr(args, "cpu_devices", None) is not None:
-        from jaxspeed.distributed import set_cpu_devices
-
-        set_cpu_devices(args.cpu_devices)
-
     try:
+        if getattr(args, "cpu_devices", None) is not None:
+            from jaxspeed.distributed import set_cpu_devices
+
+            set_cpu_devices(args.cpu_devices)
+        if args.command == "plan" and (args.target or args.cluster):
+            _compile_on_cpu_host()
         if args.command in ("train", "plan"):
             from jaxspeed import distributed
 
@@ -231,21 +240,70 @@ def _train(args) -> int:
     return 0
 
 
+def _compile_on_cpu_host() -> None:
+    """Deviceless GPU compilation needs JAX on its CPU platform (the CUDA plugin registers its
+    compiler only then); unless the user chose platforms, choose the CPU."""
+    import os
+
+    import jax
+
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+    # a cached GPU executable cannot be loaded back without a GPU client (XLA warns and
+    # compiles again), so the compilation cache only costs disk here
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
+def _gpu_target(args):
+    """`(target name, device count, cluster)` for `plan --target/--cluster`, or None."""
+    from jaxspeed.errors import JaxspeedError
+
+    cluster = None
+    if args.cluster:
+        from jaxspeed.autoplan.cluster import load_cluster
+
+        cluster = load_cluster(args.cluster)
+    target = args.target or (cluster.gpu if cluster is not None else None)
+    if target is None:
+        if cluster is not None:
+            raise JaxspeedError(
+                f"cluster {cluster.name} names no GPU (its `gpu:` key): give --target h100|h200|a100")
+        if args.devices is not None:
+            raise JaxspeedError("--devices goes with --target or --cluster")
+        return None
+    devices = args.devices or (cluster.devices if cluster is not None else 8)
+    return target, devices, cluster
+
+
 def _plan(args) -> int:
     from jaxspeed.errors import JaxspeedError
 
     if args.auto:
         return _auto_plan(args)
-    if args.cluster or args.apply:
-        raise JaxspeedError("--cluster and --apply go with --auto")
+    if args.apply:
+        raise JaxspeedError("--apply goes with --auto")
     from jaxspeed.engine import initialize
     from jaxspeed.fit import device_memory, engine_verdict
     from jaxspeed.plan_report import format_plan
 
     config = _load(args)
-    engine = initialize(config)
+    target = _gpu_target(args)
+    mesh = None
+    if target is not None:
+        from jaxspeed.gpu import deviceless, targets
+        from jaxspeed.mesh import make_mesh
+
+        name, count, cluster = target
+        mesh = make_mesh(config.mesh, devices=deviceless.devices(name, count))
+    engine = initialize(config, mesh=mesh)
     report = {**engine.memory_report(), "profile": engine.profile()}
     budget = device_memory(config)
+    if target is not None:
+        spec = targets.load(name)
+        if budget is None:
+            budget = cluster.device_memory_bytes if cluster is not None else spec.memory_bytes
+        report["target"] = {"gpu": spec.name, "device_kind": spec.device_kind, "devices": count,
+                            "cluster": cluster.name if cluster is not None else None}
     verdict = engine_verdict(engine, budget) if budget is not None else None
     report["fit"] = verdict.to_dict() if verdict is not None else None
     if args.json:
@@ -267,17 +325,38 @@ def _auto_plan(args) -> int:
         raise JaxspeedError("plan --auto needs --cluster NAME|FILE (see configs/clusters/)")
     cluster = load_cluster(args.cluster)
     config = _load(args)
-    ranked = search(config, cluster, top=args.top, verify=args.verify,
+    devices, note = _auto_devices(cluster, args.devices)
+    ranked = search(config, cluster, top=args.top, verify=args.verify, devices=devices,
                     progress=not (args.no_progress or args.json))
     if args.apply:
         write_config(config, ranked[0], cluster, args.apply)
     if args.json:
-        print(json.dumps({"cluster": cluster.name, "plans": [to_dict(r) for r in ranked]}))
+        print(json.dumps({"cluster": cluster.name, "compiled_on": note,
+                          "plans": [to_dict(r) for r in ranked]}))
     else:
         print(format_table(ranked, cluster))
+        print(f"memory checked on: {note}")
         if args.apply:
             print(f"wrote {args.apply}: {ranked[0].plan.describe()}")
     return 0
+
+
+def _auto_devices(cluster, devices: int | None):
+    """The devices `plan --auto` compiles its plans on, and a line saying which: the cluster's
+    own GPUs, deviceless, when it names one and the CUDA plugin is installed; else this
+    machine's devices, with the larger meshes compiled as proxies."""
+    from jaxspeed.errors import JaxspeedError
+    from jaxspeed.gpu import deviceless
+
+    if devices is not None:
+        raise JaxspeedError("--devices does not go with --auto: the cluster gives the count")
+    if cluster.gpu is None:
+        return None, "this machine's devices (the cluster names no GPU to compile for)"
+    reason = deviceless.missing()
+    if reason is not None:
+        return None, f"this machine's devices, as proxies ({reason})"
+    found = deviceless.devices(cluster.gpu, cluster.devices)
+    return found, f"{len(found)} x {found[0].device_kind}, compiled by XLA:GPU without a GPU"
 
 
 def _calibrate(args) -> int:

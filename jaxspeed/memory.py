@@ -19,6 +19,8 @@ from jaxspeed.offload import on_host
 COMPILED, ARRAYS, MODEL = "compiled", "arrays", "model"
 #: The values of a report's `sources` and of each `device_model` row's `source`.
 SOURCES = (COMPILED, ARRAYS, MODEL)
+#: A report's `source`: which compiler's `memory_analysis()` its `compiled` figures are.
+COMPILED_GPU, COMPILED_CPU = "compiled-gpu", "compiled-cpu"
 
 #: Said in reports when XLA's analysis cannot tell host from device memory (the CPU backend).
 HOST_NOTE = (
@@ -128,7 +130,9 @@ def memory_report(engine) -> dict[str, Any]:
     total and the state the step streams through the device is added back, net of streamed
     layers' gradients (XLA on CPU elides those copies; see `_offload_terms`). Then
     `device_model` lists the terms, each with its source, and `notes` says so; otherwise
-    `device_model` is empty.
+    `device_model` is empty. `source` names the compiler behind every `compiled` figure:
+    `compiled-gpu` for XLA:GPU (also when compiled without a GPU, `jaxspeed.gpu.deviceless`),
+    `compiled-cpu` for XLA:CPU; `device_kind` is the device compiled for.
     """
     state = engine.abstract_state()
     estimate = {
@@ -158,9 +162,13 @@ def memory_report(engine) -> dict[str, Any]:
     else:  # nothing on the host: the compiled total is all device memory
         host, device = 0, total
         sources |= {"device": COMPILED, "host": COMPILED}
+    compiled_for = engine.mesh.devices.flat[0]
+    platform = compiled_for.platform
     return {
         "mesh": dict(engine.mesh.shape),
         "zero_stage": engine.plan.stage,
+        "source": COMPILED_GPU if platform == "gpu" else f"compiled-{platform}",
+        "device_kind": compiled_for.device_kind,
         "per_device_bytes": {
             **estimate, "temp": compiled["temp"], "total": total, "device": device, "host": host,
         },

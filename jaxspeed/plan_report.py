@@ -23,30 +23,43 @@ DEVICE_MODEL_ROWS = {
 }
 #: Printed under the memory table: what each value of the source column means.
 SOURCE_LEGEND = (
-    "source: compiled = read from XLA's memory_analysis() of the compiled step; arrays = "
+    "source: compiled-gpu / compiled-cpu = read from XLA:GPU's / XLA:CPU's memory_analysis() of "
+    "the compiled step; arrays = "
     "summed from the state's shardings and memory kinds (the estimate column always is); "
     "model = jaxspeed's arithmetic, not measured by XLA"
+)
+
+
+#: Printed first for `plan --target`: what a deviceless GPU compile is and is not.
+TARGET_LINE = (
+    "compiled for {devices} x {device_kind} without a GPU (source: compiled-gpu): the memory "
+    "and the program are XLA:GPU's; nothing was autotuned, run or timed"
 )
 
 
 def format_memory(report: dict[str, Any]) -> list[str]:
     """The memory table: the estimate (arrays), the step's figure and where that figure is from."""
     est, comp, per = report["estimate"], report["compiled"], report["per_device_bytes"]
-    src = report["sources"]
+    compiled = report["source"]  # which compiler's analysis: compiled-gpu or compiled-cpu
+
+    def label(source: str) -> str:
+        return compiled if source == COMPILED else source
+
+    src = {name: label(source) for name, source in report["sources"].items()}
     rows = [
         ("params", est["params"], None, src["params"]),
         ("grads", est["grads"], None, src["grads"]),
         ("opt_state", est["opt_state"], None, src["opt_state"]),
-        ("arguments (state + batch)", None, comp["argument"], COMPILED),
-        ("outputs", None, comp["output"], COMPILED),
-        ("aliased (donated)", None, -comp["alias"], COMPILED),
+        ("arguments (state + batch)", None, comp["argument"], compiled),
+        ("outputs", None, comp["output"], compiled),
+        ("aliased (donated)", None, -comp["alias"], compiled),
         ("temp (activations, grads, buffers)", None, per["temp"], src["temp"]),
         ("total", est["state_total"], per["total"], src["total"]),
         ("  of which in host memory", est["host"], per["host"], src["host"]),
         ("  device memory needed", None, per["device"], src["device"]),
     ]
     rows += [
-        (DEVICE_MODEL_ROWS[row["term"]], None, row["bytes"], row["source"])
+        (DEVICE_MODEL_ROWS[row["term"]], None, row["bytes"], label(row["source"]))
         for row in report["device_model"]
         if row["bytes"] or row["term"] in ("compiled_total", "host_state")
     ]
@@ -81,6 +94,9 @@ def format_profile(profile: dict[str, Any]) -> list[str]:
 def format_plan(report: dict[str, Any]) -> str:
     """The memory table, the step profile and, when a device memory is known, the verdict."""
     lines = format_memory(report) + [""] + format_profile(report["profile"])
+    target = report.get("target")
+    if target is not None:
+        lines = [TARGET_LINE.format(**target), ""] + lines
     if report.get("fit") is not None:
         lines += ["", report["fit"]["message"]]
         source = report["sources"]["device"]

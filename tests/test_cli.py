@@ -105,6 +105,7 @@ def test_plan_json_reports_per_device_bytes(tmp_path):
             "params": "arrays", "grads": "arrays", "opt_state": "arrays",
             "temp": "compiled", "total": "compiled", "device": "compiled", "host": "compiled",
         }
+        assert report["source"] == "compiled-cpu"
         assert report["device_model"] == []
         assert report["profile"]["flops"] > 0 and report["fit"] is None
         stage[s] = report["per_device_bytes"]
@@ -130,7 +131,7 @@ def test_plan_table_labels_modelled_rows_with_offload(tmp_path):
     lines = proc.stdout.splitlines()
     source = {line[:36].rstrip(): line.split()[-1] for line in lines if line.strip()}
     assert any(line.startswith("per device  ") and line.endswith("  source") for line in lines)
-    assert source["total"] == "compiled"
+    assert source["total"] == "compiled-cpu"
     assert source["  of which in host memory"] == "arrays"
     assert source["  device memory needed"] == "model"
     assert source["    - streamed grads in host memory"] == "model"

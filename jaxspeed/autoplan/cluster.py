@@ -35,6 +35,15 @@ _DTYPES: Mapping[str, str] = types.MappingProxyType(
 )  # fmt: skip
 
 
+def _check_gpu(value: Any) -> Any:
+    if value is not None:
+        from jaxspeed.gpu import targets
+
+        if str(value).lower() not in targets.names():
+            raise ValueError(f"unknown GPU {value!r}; known: {', '.join(targets.names())}")
+    return value
+
+
 def _check_bytes(value: Any) -> Any:
     parse_bytes(value)
     return value
@@ -89,6 +98,9 @@ class Cluster(_Section):
     #: params and `offload_dots` activations cross, per device with every device copying.
     host_link: Link
     host_memory: _Bytes
+    #: the GPU model (`jaxspeed.gpu.targets`: h100, h200, a100), which `jaxspeed plan` compiles
+    #: for without a GPU; None for a cluster jaxspeed has no target for (or a calibrated CPU)
+    gpu: Annotated[str | None, BeforeValidator(_check_gpu)] = None
 
     @property
     def devices(self) -> int:
