@@ -8,7 +8,7 @@ CONFIG ?= configs/gpt_tiny.yaml
 OUTPUT ?= runs/gpt_tiny
 TRAIN_ARGS ?=
 
-.PHONY: install train test test-fast test-jax-min plan maxtext bench-maxtext clean
+.PHONY: install train test test-fast test-jax-min test-gpu-compile plan maxtext bench-maxtext clean
 
 install: $(STAMP)
 
@@ -51,6 +51,18 @@ test-jax-min: $(STAMP)
 	$(VENV_MIN)/bin/python -m pytest -n 2 --dist loadfile $(SMOKE)
 	PYTHON=$(VENV_MIN)/bin/python benchmarks/gpu_suite.sh --dry-run
 
+# The GPU half without a GPU, in a venv of its own with the gpu-compile extra (the CUDA plugin
+# at jaxlib's version, ptxas, libdevice; ~410 MB): .venv stays without the plugin, which
+# otherwise looks for CUDA at every start of a CPU-only JAX. Runs the GPU dry run, which
+# compiles every kernel configuration and the configs' train steps for H100/H200 (XLA:GPU,
+# deviceless) and runs the Mosaic GPU kernels in GPU interpret mode.
+VENV_GPU ?= .venv-gpu
+test-gpu-compile: $(STAMP)
+	test -x $(VENV_GPU)/bin/python || $(PY) -m venv $(VENV_GPU)
+	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_GPU)/bin/python -m pip install --quiet -e '.[test,gpu-compile]'
+	PYTHON=$(VENV_GPU)/bin/python benchmarks/gpu_suite.sh --dry-run
+
 # MaxText beside jaxspeed (benchmarks/maxtext_peer.py): its own venv outside the repository
 # (~2.5 GB, once), then the throughput benchmark's three configurations, both measured.
 MAXTEXT_VENV ?= $(HOME)/.cache/jaxspeed-peers/maxtext
@@ -65,4 +77,4 @@ plan: $(STAMP)
 	$(VENV)/bin/jaxspeed plan configs/gpt_tp2_zero3.yaml --cpu-devices 8
 
 clean:
-	rm -rf $(VENV) $(VENV_MIN) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_MIN) $(VENV_GPU) runs .pytest_cache

@@ -9,8 +9,14 @@
 #                                      blocked_attention --gpu (cuDNN fused vs blocked vs the
 #                                      dense reference, seq 32k, bf16)
 #   benchmarks/gpu_suite.sh --dry-run  anywhere: every kernel lowered for cuda (abstract GPU
-#                                      device), the kernel tests (a) would run listed, and each
-#                                      benchmark at tiny sizes on the CPU with the options (b) uses
+#                                      device) and, with the gpu-compile extra installed,
+#                                      compiled by XLA:GPU for H100/H200/A100 without a GPU with
+#                                      every block configuration impl="auto" can pick, the
+#                                      Mosaic GPU kernels run in GPU interpret mode (race
+#                                      detection on), the train steps of the six GPU configs
+#                                      compiled for 8 x H100; the kernel tests (a) would run
+#                                      listed, and each benchmark at tiny sizes on the CPU with
+#                                      the options (b) uses
 #
 # Each part runs under `timeout` and the GPU limits add up to 505 s, so the whole run ends within
 # 9 minutes whatever hangs; a part that fails or runs out of time is named and the rest still
@@ -42,8 +48,12 @@ part() {  # part NAME TIMEOUT_S COMMAND...: runs one part, keeps its log, goes o
 }
 
 # (a) selects the kernels' tests by name: every test of a Pallas kernel except the lowering ones.
-KERNEL_TESTS=(tests/test_block_sparse_attention.py tests/test_moe_dispatch.py)
-KERNEL_SELECT="pallas and not lowers"
+KERNEL_TESTS=(tests/test_block_sparse_attention.py tests/test_moe_dispatch.py
+              tests/test_block_sparse_attention_mgpu.py tests/test_moe_kernels_mgpu.py)
+KERNEL_SELECT="(pallas or mgpu) and not lowers and not compiles"
+# What the dry run compiles for GPUs that are not here (tests that skip without the plugin).
+COMPILE_TESTS=(tests/test_gpu_compile.py tests/test_block_sparse_attention_mgpu.py
+               tests/test_moe_kernels_mgpu.py)
 # (b)'s options, shared by both runs so that the dry run checks them. gpu_offload runs the
 # baseline mode and the headline mode only: its four modes are four processes that each start,
 # compile and train, more than the budget holds.
@@ -52,6 +62,7 @@ OFFLOAD_ARGS=(--modes device all_host --steps 3)
 case "${1:-}" in
 --dry-run)
   part lowering 600 "$PY" -m pytest -q -p no:cacheprovider "${KERNEL_TESTS[@]}" -k lowers
+  part compiles 600 "$PY" -m pytest -q -p no:cacheprovider -n 2 -rs "${COMPILE_TESTS[@]}"
   part kernels 600 "$PY" -m pytest -q -p no:cacheprovider --collect-only "${KERNEL_TESTS[@]}" \
     -k "$KERNEL_SELECT"
   part gpu_engine 600 "$PY" benchmarks/gpu_engine.py --cpu-check

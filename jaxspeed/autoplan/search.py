@@ -37,6 +37,7 @@ from jaxspeed.autoplan.estimate import Estimate, estimate
 from jaxspeed.autoplan.space import OFFLOAD, ON_HOST, Candidate, candidates
 from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError, JaxspeedError
+from jaxspeed.memory import COMPILED_GPU
 from jaxspeed.precision import compute_dtype
 from jaxspeed.profiler import collectives, roofline_seconds
 
@@ -51,7 +52,7 @@ class Ranked:
     step_s: float
     flops: float  #: per device per step
     bound: str
-    source: str  #: "compiled", "compiled (proxy data=N)" or "analytic"
+    source: str  #: "compiled" (XLA:CPU), "compiled-gpu" (XLA:GPU), "... (proxy data=N)", "analytic"
     tokens_per_s: float = 0.0
     mfu: float = 0.0
 
@@ -135,7 +136,9 @@ def compiled_cost(config: Config, plan: Candidate, cluster: Any, devices: Sequen
     step = compute + roof["memory"] + moved["total"] + real.host_s
     parts = {"compute": compute, "memory": roof["memory"], "network": moved["total"], "host": real.host_s,
              "bubble": (compute + roof["memory"]) * real.bubble}
-    source = "compiled" if sizes == plan.sizes else f"compiled (proxy data={sizes['data']})"
+    source = "compiled-gpu" if report["source"] == COMPILED_GPU else "compiled"  # GPU: deviceless
+    if sizes != plan.sizes:
+        source = f"{source} (proxy data={sizes['data']})"
     return _finish(config, cluster, Ranked(plan, real, device_bytes, step, flops,
                                            max(parts, key=parts.get), source))
 
