@@ -2,7 +2,8 @@
 
 Run on a machine with a GPU: `python benchmarks/gpu_sparse_attention.py` (an H200 is the case
 the issue names). At seq 8k, 16k and 32k, batch 1, 16 heads of 128, bf16, causal:
-  - jaxspeed: `pallas_kernels.block_sparse_attention` (compiled through Triton) over DeepSpeed's
+  - jaxspeed: `pallas_kernels.block_sparse_attention` (Mosaic GPU on Hopper, where the Triton
+    kernel it replaces is timed beside it; Triton on older GPUs) over DeepSpeed's
     unidirectional Fixed layout, block 64, 8 local blocks, 1 global block: about 7-10% of the
     blocks;
   - baseline: `jax.nn.dot_product_attention(is_causal=True)` with cuDNN's fused kernel (XLA's
@@ -63,13 +64,18 @@ def fixed_layout(seq: int, *, block: int, num_local_blocks: int):
 
 
 def attention_fns(layout, *, interpret):
-    """Jitted forward and forward+backward of the kernel and of the dense baseline."""
+    """Jitted forward and forward+backward of the kernel, of the dense baseline and, on
+    Hopper, of the Triton kernel that the Mosaic GPU one replaces there."""
     import jax
 
+    from pallas_kernels import _backend
     from pallas_kernels.block_sparse_attention import block_sparse_attention
 
     def sparse(q, k, v):
         return block_sparse_attention(q, k, v, layout, causal=True, interpret=interpret)
+
+    def triton(q, k, v):
+        return block_sparse_attention(q, k, v, layout, causal=True, backend=_backend.TRITON)
 
     def dense(implementation):
         return lambda q, k, v: jax.nn.dot_product_attention(
@@ -78,9 +84,12 @@ def attention_fns(layout, *, interpret):
     def with_grad(f):
         return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
 
-    return {"sparse": (jax.jit(sparse), with_grad(sparse)),
-            "cudnn": (jax.jit(dense("cudnn")), with_grad(dense("cudnn"))),
-            "xla": (jax.jit(dense("xla")), with_grad(dense("xla")))}
+    fns = {"sparse": (jax.jit(sparse), with_grad(sparse)),
+           "cudnn": (jax.jit(dense("cudnn")), with_grad(dense("cudnn"))),
+           "xla": (jax.jit(dense("xla")), with_grad(dense("xla")))}
+    if _backend.kernel_backend() == _backend.MOSAIC_GPU:
+        fns["triton"] = (jax.jit(triton), with_grad(triton))
+    return fns
 
 
 def inputs(case: dict, seq: int, dtype):
@@ -132,6 +141,9 @@ def run_seq(case: dict, seq: int, *, interpret) -> dict:
     timing = dict(iters=case["iters"], rounds=case["rounds"])
     row["sparse_fwd_ms"] = _common.timed(fns["sparse"][0], (q, k, v), **timing)
     row["sparse_ms"] = _common.timed(fns["sparse"][1], (q, k, v, do), **timing)
+    if "triton" in fns:  # Hopper: the Mosaic GPU kernel against the Triton one it replaces
+        row["triton_fwd_ms"] = _common.timed(fns["triton"][0], (q, k, v), **timing)
+        row["triton_ms"] = _common.timed(fns["triton"][1], (q, k, v, do), **timing)
     row["baseline"] = None
     for impl in ("cudnn", "xla"):
         try:
@@ -197,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         for impl, err in r.get("dense_errors", {}).items():
             print(f"seq {r['seq']}: dense {impl} failed: {err}")
+        if "triton_ms" in r:
+            print(f"seq {r['seq']}: Mosaic GPU kernel {r['sparse_ms']:.3f} ms fwd+bwd, Triton "
+                  f"{r['triton_ms']:.3f} ms ({_common.ratio(r['triton_ms'], r['sparse_ms']):.2f}x)")
     print()
     results = []
     for r in rows:
@@ -215,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                     "jaxspeed_fwd_bwd": round(r["sparse_tflops"], 2),
                     "baseline_fwd_bwd": round(r["dense_tflops"], 2)},
             check_max_rel_diff=error,
+            kernel=_backend.kernel_backend(),
+            **({"triton_ms": {"fwd": round(r["triton_fwd_ms"], 3), "fwd_bwd": round(r["triton_ms"], 3)},
+                "ratio_vs_triton": _common.ratio(r["triton_ms"], r["sparse_ms"])}
+               if "triton_ms" in r else {}),
         ))
     if not results:
         raise SystemExit("the dense baseline failed at every sequence length (see above)")

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.errors import JaxspeedError
+from pallas_kernels._backend import target_device
 
 ENV = "JAXSPEED_CPU_BF16_MATMUL"
 CHOICES = ("auto", "native", "widen")
@@ -71,11 +72,12 @@ def cpu_multiplies_bf16() -> bool:
 
 
 def widens_bf16() -> bool:
-    """Whether `einsum` widens bf16 operands here: on the CPU backend, as `ENV` says."""
+    """Whether `einsum` widens bf16 operands here: in a program compiled for a CPU, as `ENV`
+    says (never in one compiled for a GPU, also when that is compiled on a CPU host)."""
     choice = os.environ.get(ENV, "auto")
     if choice not in CHOICES:
         raise JaxspeedError(f"{ENV} must be one of {CHOICES}, got {choice!r}")
-    if choice == "native" or jax.default_backend() != "cpu":
+    if choice == "native" or target_device().platform != "cpu":
         return False
     return choice == "widen" or not cpu_multiplies_bf16()
 

@@ -78,6 +78,37 @@ def kernel_backend(device=None) -> str:
     return MOSAIC_GPU if capability is not None and capability >= (9, 0) else TRITON
 
 
+def resolve(backend: str | None, interpret) -> tuple[str, object]:
+    """Which kernel family runs a call, and the `interpret=` value to give it.
+
+    Args:
+      backend: `MOSAIC_GPU`, `TRITON`, or None for the trace's target (`kernel_backend`); on
+        a CPU target the Triton-form kernels run in Pallas' interpreter.
+      interpret: None (interpret exactly when the target is not a GPU), a bool, or a
+        `plgpu.InterpretGPUParams` (Mosaic GPU kernels in GPU interpret mode, which simulates
+        shared memory, TMA, barriers and threads, and can detect races).
+
+    Returns:
+      `(family, interpret)`: for `MOSAIC_GPU`, None (compiled) or an `InterpretGPUParams`;
+      for `TRITON`, a bool.
+    """
+    target = kernel_backend()
+    family = (TRITON if target == INTERPRET else target) if backend is None else backend
+    if family not in (MOSAIC_GPU, TRITON):
+        raise ValueError(f"backend must be {MOSAIC_GPU!r}, {TRITON!r} or None, got {backend!r}")
+    if interpret is None:
+        interpret = target == INTERPRET
+    if family == TRITON:
+        if not isinstance(interpret, bool):
+            raise ValueError(f"the Triton kernels take interpret=True/False, got {interpret!r}")
+        return family, interpret
+    if isinstance(interpret, bool):
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        interpret = plgpu.InterpretGPUParams() if interpret else None
+    return family, interpret
+
+
 def on_gpu() -> bool:
     """Whether the current trace compiles for a GPU (compiled kernels; interpret mode elsewhere)."""
     return is_gpu()

@@ -13,6 +13,9 @@ rows and dk/dv over the columns, so no kernel ever touches a zero block. The ker
 jax's `jax.experimental.pallas.ops.gpu.attention` and use only what the Triton lowering
 supports (whole-block loads, `pl.ds` slices, scalar table loads, `lax.fori_loop` with a dynamic
 trip count), so the same source runs with `interpret=True` on CPU and compiles for NVIDIA GPUs.
+On Hopper (sm_90) and newer, `block_sparse_attention` runs the Mosaic GPU kernels of
+`block_sparse_attention_mgpu` instead (TMA, a pipelined ring of key blocks, wgmma): JAX
+deprecates its Triton backend, which jaxspeed keeps for older GPUs (A100) while JAX has it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._backend import on_gpu
+from pallas_kernels import _backend
+from pallas_kernels._shapes import out_like, vary_like
 
 #: Finite "minus infinity" for masked logits: exp2 of it is 0 and it never makes NaNs.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -247,8 +251,8 @@ def _forward(q, k, v, rows, static: _Static):
         in_specs=[table(rows.shape[-1]), tile, full, full],
         out_specs=[tile, vec_tile],
         out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((batch, heads, seq_len), jnp.float32),  # lse, base 2
+            out_like((q, k, v), q.shape, q.dtype),
+            out_like((q, k, v), (batch, heads, seq_len), jnp.float32),  # lse, base 2
         ],
         compiler_params=_compiler_params(head_dim, static.block),
         interpret=static.interpret,
@@ -267,7 +271,7 @@ def _backward(q, k, v, rows, cols, o, lse, do, static: _Static):
         grid=grid,
         in_specs=[table(rows.shape[-1]), tile, full, full, tile, vec_tile, vec_tile],
         out_specs=tile,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_like((q, k, v, do), q.shape, q.dtype),
         compiler_params=params,
         interpret=static.interpret,
         name="block_sparse_attention_dq",
@@ -277,7 +281,8 @@ def _backward(q, k, v, rows, cols, o, lse, do, static: _Static):
         grid=grid,
         in_specs=[table(cols.shape[-1]), tile, tile, full, full, vec_full, vec_full],
         out_specs=[tile, tile],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[out_like((q, k, v, do), k.shape, k.dtype),
+                   out_like((q, k, v, do), v.shape, v.dtype)],
         compiler_params=params,
         interpret=static.interpret,
         name="block_sparse_attention_dkdv",
@@ -298,14 +303,15 @@ def _attention_fwd(q, k, v, rows, cols, static: _Static):
 def _attention_bwd(static: _Static, residuals, do):
     q, k, v, rows, cols, o, lse = residuals
     dq, dk, dv = _backward(q, k, v, rows, cols, o, lse, do, static)
-    return dq, dk, dv, None, None
+    return vary_like(dq, q), vary_like(dk, k), vary_like(dv, v), None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
-                           sm_scale: float | None = None, interpret: bool | None = None):
+                           sm_scale: float | None = None, interpret=None,
+                           backend: str | None = None):
     """Softmax attention restricted to a block layout, as Pallas kernels (differentiable).
 
     Args:
@@ -315,10 +321,20 @@ def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
       causal: also mask keys after the query (inside the diagonal blocks; blocks above the
         diagonal are skipped).
       sm_scale: logit scale; default `1 / sqrt(head_dim)`.
-      interpret: run the kernels in the Pallas interpreter; default: on any backend but GPU.
+      interpret: run the kernels interpreted; default: when not compiling for a GPU (see
+        `_backend.resolve`; an `InterpretGPUParams` runs the Mosaic GPU kernels interpreted).
+      backend: "mosaic_gpu" or "triton"; default: from the device compiled for (Mosaic GPU
+        on sm_90 and newer, `block_sparse_attention_mgpu`, for blocks and head dims of 64 or
+        128, and Triton for the other sizes, which it has no kernel for; Triton on older GPUs;
+        the Triton-form kernels interpreted on CPU). `jaxspeed.attention`'s `impl="auto"`
+        takes its XLA path for those other sizes on sm_90 instead.
 
     Returns:
       `[batch, seq, heads, head_dim]` in `q`'s dtype; fp32 accumulation inside.
+
+    Raises:
+      ValueError: bad shapes or layout, or (Mosaic GPU) a block / head dim it does not take,
+        or a tiling over the GPU's shared memory.
     """
     if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(
@@ -332,14 +348,22 @@ def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
     if blocks.shape[0] > 1 and (blocks == blocks[:1]).all():
         blocks = blocks[:1]
     block = seq_len // blocks.shape[1]
-    if interpret is None:
-        interpret = not on_gpu()
+    scale = float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale)
+    family, interpret = _backend.resolve(backend, interpret)
+    if family == _backend.MOSAIC_GPU:
+        from pallas_kernels import block_sparse_attention_mgpu as mosaic
+
+        if backend is None and not mosaic.supports(block, head_dim, q.dtype):
+            # no Mosaic GPU kernel for this block / head dim: the Triton one, while JAX has it
+            family, interpret = _backend.resolve(_backend.TRITON, interpret is not None)
+        else:
+            return mosaic.attention(q, k, v, blocks, causal=causal, sm_scale=scale,
+                                    interpret=interpret)
     if not interpret and (block < 16 or block & (block - 1)):
         raise ValueError(
             f"the compiled (Triton) kernel needs a block size that is a power of 2 and >= 16, "
             f"got seq_len {seq_len} / {blocks.shape[1]} blocks = {block}"
         )
-    scale = float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale)
     static = _Static(block, bool(causal), scale, blocks.shape[0] == 1, bool(interpret))
     rows, cols = (jnp.asarray(t) for t in layout_tables(blocks))
     # Triton tiles need power-of-2 sizes of at least 16; zero columns change nothing.

@@ -19,7 +19,11 @@ Backward passes are the same kernels (Tutel's encode/decode duality):
   - d weight of combine = per (token, choice) the dot of `y[slot]` with the output cotangent,
     a third kernel over token blocks (partial sums per column block, summed by XLA).
 
-The kernels use only what the Pallas Triton lowering supports: row gathers with an int32 index
+On Hopper (sm_90) and newer, `moe_dispatch` and `moe_combine` run the Mosaic GPU kernels of
+`moe_kernels_mgpu` instead (same semantics; TMA row gathers): JAX deprecates its Triton
+backend, which jaxspeed keeps for older GPUs (A100) for as long as JAX has it.
+
+The kernels here use only what the Pallas Triton lowering supports: row gathers with an int32 index
 vector (`ref[idx, :]`), power-of-2 tiles, elementwise math and row reductions, so the same
 source runs with `interpret=True` on CPU and compiles for NVIDIA GPUs. Rows are padded only
 where a size is not a multiple of its block (tokens or slots to the block, columns to a power
@@ -36,7 +40,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._backend import on_gpu
+from pallas_kernels import _backend
+from pallas_kernels._shapes import out_like, vary_like
 
 #: Tokens (combine) or slots (dispatch) handled by one program, at most.
 BLOCK_ROWS = 32
@@ -150,7 +155,7 @@ def _combine_call(y, slots, weight, static: _Static):
         grid=(static.tokens_padded // bt, static.width_padded // bm),
         in_specs=[table, table, pl.BlockSpec((y.shape[0], bm), lambda i, m: (0, m))],
         out_specs=pl.BlockSpec((bt, bm), lambda i, m: (i, m)),
-        out_shape=jax.ShapeDtypeStruct((static.tokens_padded, static.width_padded), y.dtype),
+        out_shape=out_like((y, slots, weight), (static.tokens_padded, static.width_padded), y.dtype),
         compiler_params=_compiler_params(),
         interpret=static.interpret,
         name="moe_combine",
@@ -171,7 +176,7 @@ def _dispatch_call(x, src, scale, static: _Static):
         grid=(static.slots_padded // bs, static.width_padded // bm),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((bs, bm), lambda i, m: (i, m)),
-        out_shape=jax.ShapeDtypeStruct((static.slots_padded, static.width_padded), x.dtype),
+        out_shape=out_like(operands, (static.slots_padded, static.width_padded), x.dtype),
         compiler_params=_compiler_params(),
         interpret=static.interpret,
         name="moe_dispatch",
@@ -192,7 +197,7 @@ def _combine_dw_call(y, slots, do, static: _Static):
             pl.BlockSpec((bt, bm), lambda i, m: (i, m)),
         ],
         out_specs=pl.BlockSpec((None, k, bt), lambda i, m: (m, 0, i)),
-        out_shape=jax.ShapeDtypeStruct((num_col_blocks, k, static.tokens_padded), jnp.float32),
+        out_shape=out_like((y, slots, do), (num_col_blocks, k, static.tokens_padded), jnp.float32),
         compiler_params=_compiler_params(),
         interpret=static.interpret,
         name="moe_combine_dweight",
@@ -235,12 +240,13 @@ def _dispatch(x, slots, static: _Static):
 
 
 def _dispatch_fwd(x, slots, static):
-    return _dispatch(x, slots, static), slots
+    return _dispatch(x, slots, static), (slots, x[:, :0])  # x's type, no bytes
 
 
-def _dispatch_bwd(static, slots, dout):
+def _dispatch_bwd(static, residuals, dout):
+    slots, like_x = residuals
     ones = (slots >= 0).astype(jnp.float32)
-    return _combine_call(dout, slots, ones, static), None
+    return vary_like(_combine_call(dout, slots, ones, static), like_x), None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -261,7 +267,7 @@ def _combine_bwd(static, residuals, dout):
     scale = _inverse_table(slots, weight, static, fill=0.0)
     dy = _dispatch_call(dout, src, scale, static)[: y.shape[0]]
     dw = _combine_dw_call(y, slots, dout, static)
-    return dy, None, dw
+    return vary_like(dy, y), None, vary_like(dw, weight)
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
@@ -286,13 +292,19 @@ def _check_routing(expert_index, position, num_tokens, *, weight=None):
             raise ValueError(f"{name} must be an integer array, got dtype {a.dtype}")
 
 
-def _default_interpret(interpret):
-    return not on_gpu() if interpret is None else bool(interpret)
+def _family(backend, interpret, block_rows, block_cols):
+    """`_backend.resolve`, refusing the Triton kernels' tiling for the Mosaic GPU ones."""
+    family, interpret = _backend.resolve(backend, interpret)
+    if family == _backend.MOSAIC_GPU and (block_rows, block_cols) != (None, None):
+        raise ValueError(
+            "block_rows/block_cols tile the Triton kernels; the Mosaic GPU kernels (sm_90 and "
+            "newer) take their tiling from pallas_kernels.moe_kernels_mgpu.default_config")
+    return family, interpret
 
 
 def moe_dispatch(x, expert_index, position, num_experts: int, capacity: int, *,
-                 interpret: bool | None = None, block_rows: int | None = None,
-                 block_cols: int | None = None):
+                 interpret=None, block_rows: int | None = None,
+                 block_cols: int | None = None, backend: str | None = None):
     """Scatters token rows into per-expert capacity buffers (differentiable in `x`).
 
     Args:
@@ -302,14 +314,23 @@ def moe_dispatch(x, expert_index, position, num_experts: int, capacity: int, *,
         `position >= capacity` (or negative) is dropped.
       num_experts: `E`, static.
       capacity: `C`, slots per expert, static.
-      interpret: run the kernels in the Pallas interpreter; default: on any backend but GPU.
+      interpret: run the kernels interpreted; default: when not compiling for a GPU (see
+        `_backend.resolve`; an `InterpretGPUParams` runs the Mosaic GPU kernels interpreted).
       block_rows: slots (tokens, in the backward pass) per program, a power of 2; default
-        `BLOCK_ROWS`.
-      block_cols: columns per program, a power of 2; default `BLOCK_COLS`.
+        `BLOCK_ROWS` (Triton kernels only).
+      block_cols: columns per program, a power of 2; default `BLOCK_COLS` (Triton only).
+      backend: "mosaic_gpu" or "triton"; default: from the device compiled for (Mosaic GPU
+        on sm_90 and newer, Triton on older GPUs, the Triton-form kernels interpreted on CPU).
 
     Returns:
       `[E, C, model]` in `x`'s dtype; slots no choice fills are zero.
     """
+    family, interpret = _family(backend, interpret, block_rows, block_cols)
+    if family == _backend.MOSAIC_GPU:
+        from pallas_kernels import moe_kernels_mgpu
+
+        return moe_kernels_mgpu.moe_dispatch(x, expert_index, position, num_experts, capacity,
+                                             interpret=interpret)
     if x.ndim != 2:
         raise ValueError(f"x must have shape [tokens, model], got {x.shape}")
     num_experts, capacity = int(num_experts), int(capacity)
@@ -318,15 +339,15 @@ def moe_dispatch(x, expert_index, position, num_experts: int, capacity: int, *,
             f"num_experts and capacity must be positive ints, got {num_experts} and {capacity}")
     _check_routing(expert_index, position, x.shape[0])
     tokens, width = x.shape
-    static = _geometry(tokens, num_experts * capacity, width, _default_interpret(interpret),
-                       block_rows, block_cols)
+    static = _geometry(tokens, num_experts * capacity, width, interpret, block_rows, block_cols)
     slots = _slot_table(expert_index, position, capacity, static)
     out = _dispatch(_pad_to(x, static.tokens_padded, static.width_padded), slots, static)
     return out[: static.num_slots, :width].reshape(num_experts, capacity, width)
 
 
-def moe_combine(y, expert_index, position, weight, *, interpret: bool | None = None,
-                block_rows: int | None = None, block_cols: int | None = None):
+def moe_combine(y, expert_index, position, weight, *, interpret=None,
+                block_rows: int | None = None, block_cols: int | None = None,
+                backend: str | None = None):
     """Weighted gather of expert outputs back to tokens (differentiable in `y` and `weight`).
 
     `out[t] = sum_j weight[t, j] * y[expert_index[t, j], position[t, j]]` over the kept
@@ -337,21 +358,26 @@ def moe_combine(y, expert_index, position, weight, *, interpret: bool | None = N
       expert_index: int `[tokens, k]`.
       position: int `[tokens, k]`; `>= C` (or negative) marks a dropped choice.
       weight: `[tokens, k]` combine weights (computed in fp32; the gradient has its dtype).
-      interpret: run the kernels in the Pallas interpreter; default: on any backend but GPU.
+      interpret, backend: as for `moe_dispatch`.
       block_rows: tokens (slots, in the backward pass) per program, a power of 2; default
-        `BLOCK_ROWS`.
-      block_cols: columns per program, a power of 2; default `BLOCK_COLS`.
+        `BLOCK_ROWS` (Triton kernels only).
+      block_cols: columns per program, a power of 2; default `BLOCK_COLS` (Triton only).
 
     Returns:
       `[tokens, model]` in `y`'s dtype, accumulated in fp32.
     """
+    family, interpret = _family(backend, interpret, block_rows, block_cols)
+    if family == _backend.MOSAIC_GPU:
+        from pallas_kernels import moe_kernels_mgpu
+
+        return moe_kernels_mgpu.moe_combine(y, expert_index, position, weight,
+                                            interpret=interpret)
     if y.ndim != 3:
         raise ValueError(f"y must have shape [experts, capacity, model], got {y.shape}")
     num_experts, capacity, width = y.shape
     tokens = expert_index.shape[0] if expert_index.ndim == 2 else -1
     _check_routing(expert_index, position, tokens, weight=weight)
-    static = _geometry(tokens, num_experts * capacity, width, _default_interpret(interpret),
-                       block_rows, block_cols)
+    static = _geometry(tokens, num_experts * capacity, width, interpret, block_rows, block_cols)
     slots = _slot_table(expert_index, position, capacity, static)
     w = jnp.pad(weight.astype(jnp.float32).T, ((0, 0), (0, static.tokens_padded - tokens)))
     y_flat = _pad_to(y.reshape(num_experts * capacity, width), static.num_slots,

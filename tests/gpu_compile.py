@@ -11,9 +11,13 @@ import pytest
 
 from jaxspeed.gpu import deviceless
 
-needs_gpu_compile = pytest.mark.skipif(
-    not deviceless.available(), reason=deviceless.missing() or "",
-)
+_SKIP = pytest.mark.skipif(not deviceless.available(), reason=deviceless.missing() or "")
+
+
+def needs_gpu_compile(test):
+    """Marks a test `gpu_compile` (what `gpu_suite.sh --dry-run` selects) and skips it where
+    the plugin is missing."""
+    return pytest.mark.gpu_compile(_SKIP(test))
 
 
 def gpu_device(target: str = "h100"):

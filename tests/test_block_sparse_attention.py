@@ -127,18 +127,21 @@ def test_pallas_fp16_and_padded_head_dim(dtype, dim):
     "dim,block,dtype,causal,layout_heads",
     [(64, 64, jnp.bfloat16, True, 1), (128, 128, jnp.float16, False, 2)],
 )
-def test_pallas_lowers_for_triton(dim, block, dtype, causal, layout_heads):
-    """The same kernels lower to Triton IR for NVIDIA GPUs (compiling them needs a GPU)."""
+@pytest.mark.parametrize(("device_kind", "call"), [("NVIDIA A100-SXM4-80GB", "__gpu$xla.gpu.triton"),
+                                                   ("NVIDIA H200", "mosaic_gpu_v2")])
+def test_pallas_lowers_for_triton(dim, block, dtype, causal, layout_heads, device_kind, call):
+    """The kernels lower for NVIDIA GPUs: Triton on an A100, Mosaic GPU on Hopper, chosen by
+    the device lowered for (`tests/test_gpu_compile.py` compiles them too, with the plugin)."""
     seq, heads = 4 * block, 2
     layout = random_layout(4, heads=layout_heads, nb=seq // block, causal=causal)
     x = jax.ShapeDtypeStruct((1, seq, heads, dim), dtype)
 
     def loss(q, k, v):
-        out = pallas_attention(q, k, v, layout, causal=causal, interpret=False)
+        out = pallas_attention(q, k, v, layout, causal=causal)
         return out.astype(jnp.float32).sum()
 
-    text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), x, x, x)
-    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dq, dk/dv
+    text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), x, x, x, device_kind=device_kind)
+    assert text.count(f"custom_call @{call}(") == 3  # forward, dq, dk/dv
 
 
 def test_compiled_kernel_rejects_small_or_odd_blocks():

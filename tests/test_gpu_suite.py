@@ -1,8 +1,9 @@
 """`benchmarks/gpu_suite.sh --dry-run`: the GPU suite checks itself on the CPU.
 
-The dry run lowers every Pallas kernel for cuda, lists the kernel tests the GPU run selects,
-and runs each GPU benchmark at tiny sizes (kernels interpreted) with the options the GPU run
-uses. It runs once, in its own process; the tests read its output folder. No speed is checked.
+The dry run lowers every Pallas kernel for cuda (and compiles them with the gpu-compile
+extra), lists the kernel tests the GPU run selects, and runs each GPU benchmark at tiny sizes
+(kernels interpreted) with the options the GPU run uses. It runs once, in its own process;
+the tests read its output folder. No speed is checked.
 """
 
 import json
@@ -52,7 +53,7 @@ def results(dry_run):
 
 def test_every_part_ran(dry_run):
     _, stdout = dry_run
-    for part in ("lowering", "kernels", *PARTS):
+    for part in ("lowering", "compiles", "kernels", *PARTS):
         assert f"== {part}: ok" in stdout, stdout
 
 

@@ -42,6 +42,16 @@ def test_auto_widens_exactly_where_the_cpu_lacks_bf16_units(monkeypatch):
     assert matmul.widens_bf16() is not matmul.cpu_multiplies_bf16()
 
 
+def test_a_program_compiled_for_a_gpu_never_widens(monkeypatch):
+    """A GPU's step compiled on this CPU host (`plan --target`) keeps its bf16 dots."""
+    monkeypatch.setenv(matmul.ENV, "widen")
+    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                      platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=gpu)):
+        assert not matmul.widens_bf16()
+    assert matmul.widens_bf16()
+
+
 def test_a_bad_choice_is_refused(monkeypatch):
     monkeypatch.setenv(matmul.ENV, "fp32")
     with pytest.raises(JaxspeedError, match="JAXSPEED_CPU_BF16_MATMUL must be one of"):

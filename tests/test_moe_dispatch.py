@@ -169,23 +169,26 @@ def test_kernels_keep_dtype_and_skip_invalid_positions():
     np.testing.assert_array_equal(back, np.array([[0, 2, 4], [6, 8, 10], [0] * 3, [0] * 3]))
 
 
-def test_pallas_lowers_for_triton():
-    """Forward and backward lower to Triton kernels for NVIDIA GPUs (compiling needs a GPU)."""
+@pytest.mark.parametrize(("device_kind", "call"), [("NVIDIA A100-SXM4-80GB", "__gpu$xla.gpu.triton"),
+                                                   ("NVIDIA H200", "mosaic_gpu_v2")])
+def test_pallas_lowers_for_triton(device_kind, call):
+    """Forward and backward lower to GPU kernels: Triton on an A100, Mosaic GPU on Hopper,
+    chosen by the device lowered for (`tests/test_gpu_compile.py` compiles them too)."""
     tokens, k, experts, capacity, width = 64, 2, 8, 20, 512
     e = jnp.asarray(random_choices(np.random.default_rng(4), tokens, k, experts))
     p = jnp.asarray(fill_slots(np.asarray(e), experts))
 
     def loss(x, w):
-        d = kernels.moe_dispatch(x, e, p, experts, capacity, interpret=False)
-        out = kernels.moe_combine(d * 2, e, p, w, interpret=False)
+        d = kernels.moe_dispatch(x, e, p, experts, capacity)
+        out = kernels.moe_combine(d * 2, e, p, w)
         return out.astype(jnp.float32).sum()
 
     x = jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((tokens, k), jnp.float32)
     # value_and_grad: the loss keeps the forward combine live (jax 0.12 drops it from a grad).
-    text = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+    text = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, w, device_kind=device_kind)
     # dispatch, combine; backward: combine (dx), weighted dispatch (dy), d weight.
-    assert text.count("__gpu$xla.gpu.triton") == 5
+    assert text.count(f"custom_call @{call}(") == 5
 
 
 def test_bad_input_is_named():

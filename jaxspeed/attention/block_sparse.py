@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspeed.attention.blocked import blocked_attention
-from pallas_kernels._backend import on_gpu
+from pallas_kernels._backend import MOSAIC_GPU, kernel_backend, on_gpu
 from pallas_kernels.block_sparse_attention import block_sparse_attention as _pallas_attention
 from pallas_kernels.block_sparse_attention import check_layout
 
@@ -43,7 +43,8 @@ def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
       impl: `"pallas"` (the kernel; interpreted off GPU), `"xla"` (gather-based: every set
         block at once, memory growing with their count), `"blocked"` (the set blocks one at a
         time with an online softmax, `jaxspeed.attention.blocked_attention`: O(seq * block)
-        memory; one layout shared by all heads) or `"auto"` (pallas on GPU, xla elsewhere).
+        memory; one layout shared by all heads) or `"auto"` (pallas when compiling for a GPU
+        whose kernel takes the shape, xla otherwise).
 
     Returns:
       `[batch, seq, heads, head_dim]` in `q`'s dtype.
@@ -54,7 +55,7 @@ def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = "pallas" if on_gpu() else "xla"
+        impl = "pallas" if on_gpu() and _kernel_takes(q, layout) else "xla"
     if impl == "pallas":
         return _pallas_attention(q, k, v, layout, causal=causal, sm_scale=sm_scale)
     _check_qkv(q, k, v)
@@ -71,6 +72,20 @@ def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
     scale = float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale)
     plan = _plan(blocks.tobytes(), blocks.shape, bool(causal), seq_len // blocks.shape[1])
     return _xla_attention(q, k, v, plan, scale)
+
+
+def _kernel_takes(q, layout) -> bool:
+    """Whether the kernel for the device compiled for takes this call: on sm_90 and newer the
+    Mosaic GPU kernel takes blocks and head dims of 64 or 128 in 16-bit dtypes (it would round
+    fp32 to bf16; the XLA path keeps fp32); the Triton one takes any."""
+    if kernel_backend() != MOSAIC_GPU:
+        return True
+    from pallas_kernels.block_sparse_attention_mgpu import supports
+
+    _, seq_len, _, head_dim = q.shape
+    nb = np.shape(layout)[-1]
+    sixteen_bit = jnp.dtype(q.dtype).itemsize == 2
+    return sixteen_bit and nb > 0 and seq_len % nb == 0 and supports(seq_len // nb, head_dim, q.dtype)
 
 
 def dense_reference(q, k, v, layout, *, causal: bool = False, sm_scale: float | None = None):

@@ -25,7 +25,7 @@ from jaxspeed.gpu import targets
 PLUGIN = "jax-cuda13-plugin"
 INSTALL_HINT = (
     "compiling for a GPU without one needs the CUDA plugin at jaxlib's version: "
-    "pip install -e '.[gpu-compile]' (or `make gpu-compile`)"
+    "pip install -e '.[gpu-compile]' (`make test-gpu-compile` makes .venv-gpu with it)"
 )
 
 
