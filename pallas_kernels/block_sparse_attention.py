@@ -290,23 +290,30 @@ def _backward(q, k, v, rows, cols, o, lse, do, static: _Static):
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, rows, cols, static: _Static):
-    return _forward(q, k, v, rows, static)[0]
+def differentiable(forward, backward):
+    """`attention(q, k, v, rows, cols, static)` with a custom VJP over a family's kernels
+    (Triton here, Mosaic GPU in `block_sparse_attention_mgpu`): `forward(q, k, v, rows,
+    static) -> (o, lse)` and `backward(q, k, v, rows, cols, o, lse, do, static) -> (dq, dk,
+    dv)`, recomputing the probabilities from the saved log-sum-exp."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+    def attention(q, k, v, rows, cols, static):
+        return forward(q, k, v, rows, static)[0]
+
+    def attention_fwd(q, k, v, rows, cols, static):
+        o, lse = forward(q, k, v, rows, static)
+        return o, (q, k, v, rows, cols, o, lse)
+
+    def attention_bwd(static, residuals, do):
+        q, k, v, rows, cols, o, lse = residuals
+        dq, dk, dv = backward(q, k, v, rows, cols, o, lse, do, static)
+        return vary_like(dq, q), vary_like(dk, k), vary_like(dv, v), None, None
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention
 
 
-def _attention_fwd(q, k, v, rows, cols, static: _Static):
-    o, lse = _forward(q, k, v, rows, static)
-    return o, (q, k, v, rows, cols, o, lse)
-
-
-def _attention_bwd(static: _Static, residuals, do):
-    q, k, v, rows, cols, o, lse = residuals
-    dq, dk, dv = _backward(q, k, v, rows, cols, o, lse, do, static)
-    return vary_like(dq, q), vary_like(dk, k), vary_like(dv, v), None, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = differentiable(_forward, _backward)
 
 
 def block_sparse_attention(q, k, v, layout, *, causal: bool = False,

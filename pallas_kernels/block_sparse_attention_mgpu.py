@@ -46,8 +46,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._shapes import out_like, vary_like
-from pallas_kernels.block_sparse_attention import MASK_VALUE, layout_tables
+from pallas_kernels._shapes import out_like
+from pallas_kernels.block_sparse_attention import MASK_VALUE, differentiable, layout_tables
 
 #: Hopper's opt-in shared memory per block (`shared_memory_per_block_optin` of H100/H200).
 HOPPER_SMEM_LIMIT = 232448
@@ -476,23 +476,7 @@ def _backward(q, k, v, rows, cols, o, lse, do, static: _Static):
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, rows, cols, static: _Static):
-    return _forward(q, k, v, rows, static)[0]
-
-
-def _attention_fwd(q, k, v, rows, cols, static: _Static):
-    o, lse = _forward(q, k, v, rows, static)
-    return o, (q, k, v, rows, cols, o, lse)
-
-
-def _attention_bwd(static: _Static, residuals, do):
-    q, k, v, rows, cols, o, lse = residuals
-    dq, dk, dv = _backward(q, k, v, rows, cols, o, lse, do, static)
-    return vary_like(dq, q), vary_like(dk, k), vary_like(dv, v), None, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = differentiable(_forward, _backward)
 
 
 def attention(q, k, v, blocks: np.ndarray, *, causal: bool, sm_scale: float, interpret=None,

@@ -233,44 +233,50 @@ def _token_ids(slots):
 # ---- differentiable ops on padded operands ------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dispatch(x, slots, static: _Static):
-    src = _inverse_table(slots, _token_ids(slots), static, fill=-1)
-    return _dispatch_call(x, src, None, static)
+def differentiable_ops(combine_call, dispatch_call, combine_dw_call):
+    """`(dispatch, combine)` with custom VJPs over a family's three kernel calls (Triton here,
+    Mosaic GPU in `moe_kernels_mgpu`): the backward passes are the same kernels.
+
+    `dispatch(x, slots, static)` and `combine(y, slots, weight, static)` take padded operands
+    and the slot table; the calls take `(rows, table, weight_or_scale, static)`.
+    """
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+    def dispatch(x, slots, static):
+        src = _inverse_table(slots, _token_ids(slots), static, fill=-1)
+        return dispatch_call(x, src, None, static)
+
+    def dispatch_fwd(x, slots, static):
+        return dispatch(x, slots, static), (slots, x[:, :0])  # x's rows and type, no bytes
+
+    def dispatch_bwd(static, residuals, dout):
+        slots, like_x = residuals
+        ones = (slots >= 0).astype(jnp.float32)
+        dx = combine_call(dout, slots, ones, static)[: like_x.shape[0]]
+        return vary_like(dx, like_x), None
+
+    dispatch.defvjp(dispatch_fwd, dispatch_bwd)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+    def combine(y, slots, weight, static):
+        return combine_call(y, slots, weight, static)
+
+    def combine_fwd(y, slots, weight, static):
+        return combine_call(y, slots, weight, static), (y, slots, weight)
+
+    def combine_bwd(static, residuals, dout):
+        y, slots, weight = residuals
+        src = _inverse_table(slots, _token_ids(slots), static, fill=-1)
+        scale = _inverse_table(slots, weight, static, fill=0.0)
+        dy = dispatch_call(dout, src, scale, static)[: y.shape[0]]
+        dw = combine_dw_call(y, slots, dout, static)
+        return vary_like(dy, y), None, vary_like(dw, weight)
+
+    combine.defvjp(combine_fwd, combine_bwd)
+    return dispatch, combine
 
 
-def _dispatch_fwd(x, slots, static):
-    return _dispatch(x, slots, static), (slots, x[:, :0])  # x's type, no bytes
-
-
-def _dispatch_bwd(static, residuals, dout):
-    slots, like_x = residuals
-    ones = (slots >= 0).astype(jnp.float32)
-    return vary_like(_combine_call(dout, slots, ones, static), like_x), None
-
-
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _combine(y, slots, weight, static: _Static):
-    return _combine_call(y, slots, weight, static)
-
-
-def _combine_fwd(y, slots, weight, static):
-    return _combine_call(y, slots, weight, static), (y, slots, weight)
-
-
-def _combine_bwd(static, residuals, dout):
-    y, slots, weight = residuals
-    src = _inverse_table(slots, _token_ids(slots), static, fill=-1)
-    scale = _inverse_table(slots, weight, static, fill=0.0)
-    dy = _dispatch_call(dout, src, scale, static)[: y.shape[0]]
-    dw = _combine_dw_call(y, slots, dout, static)
-    return vary_like(dy, y), None, vary_like(dw, weight)
-
-
-_combine.defvjp(_combine_fwd, _combine_bwd)
+_dispatch, _combine = differentiable_ops(_combine_call, _dispatch_call, _combine_dw_call)
 
 
 # ---- public API ---------------------------------------------------------------------------------

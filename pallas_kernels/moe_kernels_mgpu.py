@@ -33,9 +33,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._shapes import out_like, vary_like
-from pallas_kernels.moe_kernels import (_check_routing, _inverse_table, _pad_to, _slot_table,
-                                        _token_ids)
+from pallas_kernels._shapes import out_like
+from pallas_kernels.moe_kernels import (_check_routing, _pad_to, _slot_table,
+                                        differentiable_ops)
 
 #: Shared memory one CTA may use on H100 and H200 (`sharedMemPerBlockOptin`, 227 KiB).
 SMEM_LIMIT = 232448
@@ -352,44 +352,7 @@ def _dispatch_call(x, src, scale, static: _Static):
 # ---- differentiable ops on padded operands ------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dispatch(x, slots, static: _Static):
-    src = _inverse_table(slots, _token_ids(slots), static, fill=-1)
-    return _dispatch_call(x, src, None, static)
-
-
-def _dispatch_fwd(x, slots, static):
-    return _dispatch(x, slots, static), (slots, x[:, :0])  # x's rows and type, no bytes
-
-
-def _dispatch_bwd(static, residuals, dout):
-    slots, like_x = residuals
-    ones = (slots >= 0).astype(jnp.float32)
-    return vary_like(_combine_call(dout, slots, ones, static)[: like_x.shape[0]], like_x), None
-
-
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _combine(y, slots, weight, static: _Static):
-    return _combine_call(y, slots, weight, static)
-
-
-def _combine_fwd(y, slots, weight, static):
-    return _combine_call(y, slots, weight, static), (y, slots, weight)
-
-
-def _combine_bwd(static, residuals, dout):
-    y, slots, weight = residuals
-    src = _inverse_table(slots, _token_ids(slots), static, fill=-1)
-    scale = _inverse_table(slots, weight, static, fill=0.0)
-    dy = _dispatch_call(dout, src, scale, static)[: y.shape[0]]
-    dw = _combine_dw_call(y, slots, dout, static)
-    return vary_like(dy, y), None, vary_like(dw, weight)
-
-
-_combine.defvjp(_combine_fwd, _combine_bwd)
+_dispatch, _combine = differentiable_ops(_combine_call, _dispatch_call, _combine_dw_call)
 
 
 # ---- public API ---------------------------------------------------------------------------------

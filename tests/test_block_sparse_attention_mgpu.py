@@ -17,6 +17,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from gpu_compile import compile_for_gpu, needs_gpu_compile
 from numerics import assert_close, mixed_rtol
+from test_block_sparse_attention import qkv_do, random_layout, value_and_grads
 
 # With `detect_races=True` (and the default `on_race="raise"`) the interpreter raises
 # "RACE DETECTED" on a race; resetting its global state between tests and reading its record
@@ -58,33 +59,6 @@ def mgpu_rtol(dtype, *, backward: bool) -> float:
 SEQ, DIM = 256, 64
 
 
-def random_layout(seed, *, heads, nb, causal, density=0.4):
-    """A random 0/1 `[heads, nb, nb]` layout; every row keeps a block (after the causal
-    mask), some rows hold a single one."""
-    rng = np.random.default_rng(seed)
-    layout = (rng.random((heads, nb, nb)) < density).astype(np.int32)
-    for h in range(heads):
-        for i in range(nb):
-            visible = i + 1 if causal else nb
-            if rng.random() < 0.25 or not layout[h, i, :visible].any():
-                layout[h, i] = 0
-                layout[h, i, rng.integers(0, visible)] = 1
-    return layout
-
-
-def qkv_do(seed, shape, dtype):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    return [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
-
-
-def value_and_grads(fn, q, k, v, do):
-    def run(q, k, v, do):
-        out, vjp = jax.vjp(fn, q, k, v)
-        return out, vjp(do)
-
-    return jax.jit(run)(q, k, v, do)
-
-
 def check_against_reference(layout, *, causal, dtype, batch=1, heads=2, seed=0):
     scale = 1 / math.sqrt(DIM)
     blocks = check_layout(layout, num_heads=heads, seq_len=SEQ, causal=causal)
@@ -114,7 +88,7 @@ def check_against_reference(layout, *, causal, dtype, batch=1, heads=2, seed=0):
          "bf16-per-head"],
 )
 def test_random_layouts_match_dense_reference(race_free, dtype, causal, layout_heads, block):
-    layout = random_layout(block + layout_heads, heads=layout_heads, nb=SEQ // block,
+    layout = random_layout(block + layout_heads, heads=layout_heads, nb=SEQ // block, density=0.4,
                            causal=causal)
     check_against_reference(layout, causal=causal, dtype=dtype, batch=2 if block == 128 else 1)
 
