@@ -53,15 +53,18 @@ test-jax-min: $(STAMP)
 
 # The GPU half without a GPU, in a venv of its own with the gpu-compile extra (the CUDA plugin
 # at jaxlib's version, ptxas, libdevice; ~410 MB): .venv stays without the plugin, which
-# otherwise looks for CUDA at every start of a CPU-only JAX. Runs the GPU dry run, which
-# compiles every kernel configuration and the configs' train steps for H100/H200 (XLA:GPU,
-# deviceless) and runs the Mosaic GPU kernels in GPU interpret mode.
+# otherwise looks for CUDA at every start of a CPU-only JAX. Runs what the GPU dry run compiles
+# (`gpu_suite.sh --dry-run` in this venv runs the same tests, plus the parts test-jax-min runs):
+# every Mosaic GPU kernel configuration and the configs' train steps, compiled by XLA:GPU for
+# H100/H200/A100 without a GPU. The kernels' GPU interpret-mode tests run in `make test`.
 VENV_GPU ?= .venv-gpu
+GPU_COMPILE_TESTS := tests/test_gpu_compile.py tests/test_block_sparse_attention_mgpu.py \
+                     tests/test_moe_kernels_mgpu.py
 test-gpu-compile: $(STAMP)
 	test -x $(VENV_GPU)/bin/python || $(PY) -m venv $(VENV_GPU)
 	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_GPU)/bin/python -m pip install --quiet -e '.[test,gpu-compile]'
-	PYTHON=$(VENV_GPU)/bin/python benchmarks/gpu_suite.sh --dry-run
+	$(VENV_GPU)/bin/python -m pytest -n 2 -m gpu_compile --durations=10 $(GPU_COMPILE_TESTS)
 
 # MaxText beside jaxspeed (benchmarks/maxtext_peer.py): its own venv outside the repository
 # (~2.5 GB, once), then the throughput benchmark's three configurations, both measured.
