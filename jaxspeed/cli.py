@@ -325,7 +325,7 @@ def _auto_plan(args) -> int:
         raise JaxspeedError("plan --auto needs --cluster NAME|FILE (see configs/clusters/)")
     cluster = load_cluster(args.cluster)
     config = _load(args)
-    devices, note = _auto_devices(cluster, args.devices)
+    devices, note = _auto_devices(cluster, args.devices, args.target)
     ranked = search(config, cluster, top=args.top, verify=args.verify, devices=devices,
                     progress=not (args.no_progress or args.json))
     if args.apply:
@@ -341,15 +341,17 @@ def _auto_plan(args) -> int:
     return 0
 
 
-def _auto_devices(cluster, devices: int | None):
+def _auto_devices(cluster, devices: int | None, target: str | None):
     """The devices `plan --auto` compiles its plans on, and a line saying which: the cluster's
     own GPUs, deviceless, when it names one and the CUDA plugin is installed; else this
     machine's devices, with the larger meshes compiled as proxies."""
     from jaxspeed.errors import JaxspeedError
     from jaxspeed.gpu import deviceless
 
-    if devices is not None:
-        raise JaxspeedError("--devices does not go with --auto: the cluster gives the count")
+    if devices is not None or target is not None:
+        raise JaxspeedError(
+            "--devices and --target do not go with --auto: the cluster gives the count and "
+            "its `gpu:` key the target")
     if cluster.gpu is None:
         return None, "this machine's devices (the cluster names no GPU to compile for)"
     reason = deviceless.missing()

@@ -85,6 +85,8 @@ def test_target_flags_are_checked(capsys, tmp_path):
     assert "names no GPU" in capsys.readouterr().err
     assert main(["plan", str(config), "--target", "h100", "--devices", "12"]) == 2
     assert "whole hosts of 8" in capsys.readouterr().err
+    assert main(["plan", str(config), "--auto", "--cluster", "8xh100-nvlink", "--target", "h100"]) == 2
+    assert "do not go with --auto" in capsys.readouterr().err
 
 
 # ---- which kernel backend a target gets ----------------------------------------------------
