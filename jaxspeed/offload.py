@@ -38,8 +38,14 @@ def on_host(sharding: NamedSharding | None) -> bool:
 
 
 def to_device(tree, shardings):
-    """Inside a jitted step: streams host-resident `tree` into device memory, same layout."""
-    return jax.device_put(tree, with_memory_kind(shardings, DEVICE))
+    """Inside a jitted step: streams host-resident `tree` into device memory, same layout.
+
+    The move names the memory space, so the values' types say device memory; a sharding's
+    memory kind alone leaves them typed as host memory, which XLA:CPU (whose types carry no
+    memory space) accepts but a step traced for a GPU refuses at the first device op.
+    """
+    moved = jax.device_put(tree, jax.memory.Space.Device)
+    return jax.lax.with_sharding_constraint(moved, with_memory_kind(shardings, DEVICE))
 
 
 def to_host(tree, shardings):

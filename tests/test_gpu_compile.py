@@ -241,3 +241,102 @@ def test_users_never_see_jaxs_triton_deprecation():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "deprecated" not in proc.stderr
+
+
+# ---- what the GPU benchmarks launch, at their GPU sizes ------------------------------------
+
+
+def _benchmark(name: str):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_gpu_compile
+@pytest.mark.slow
+def test_gpu_sparse_attention_programs_compile_for_h200():
+    """`benchmarks/gpu_sparse_attention.py`'s kernels at its GPU sizes (its shortest sequence):
+    the Mosaic GPU kernel and the Triton one it is timed against, forward and fwd+bwd."""
+    bench = _benchmark("gpu_sparse_attention")
+    case = bench.GPU_CASE
+    seq = case["seqs"][0]
+    x = jax.ShapeDtypeStruct((case["batch"], seq, case["heads"], case["head_dim"]), jnp.bfloat16)
+    layout = bench.fixed_layout(seq, block=case["block"], num_local_blocks=case["local"])
+    with jax.default_device(gpu_device("h200")):
+        fns = bench.attention_fns(layout, interpret=False)
+        assert "triton" in fns  # Hopper: timed beside the Mosaic kernel
+        for name, want in (("sparse", "mosaic_gpu_v2"), ("triton", "__gpu$xla.gpu.triton")):
+            forward, with_grad = fns[name]
+            assert want in _custom_calls(forward.lower(x, x, x).compile())
+            assert want in _custom_calls(with_grad.lower(x, x, x, x).compile())
+
+
+@needs_gpu_compile
+@pytest.mark.slow
+def test_gpu_moe_kernels_compile_for_h200_at_the_bandwidth_size():
+    """`benchmarks/gpu_moe.py`'s bandwidth case (T 32768, M 4096, E 64, top-2, bf16): the
+    Mosaic GPU dispatch/combine, and the Triton ones at every block size it times."""
+    from jaxspeed.moe import top_k_gating
+    from pallas_kernels import moe_kernels
+
+    case = _benchmark("gpu_moe").GPU_CASE["bandwidth"]
+    tokens, width, experts, k = case["tokens"], case["d_model"], case["experts"], case["k"]
+    logits = jax.ShapeDtypeStruct((tokens, experts), jnp.float32)
+    capacity = jax.eval_shape(lambda l: top_k_gating(l, k, case["capacity_factor"]), logits).capacity
+    x = jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((experts, capacity, width), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((tokens, k), jnp.int32)
+    w = jax.ShapeDtypeStruct((tokens, k), jnp.float32)
+    variants = [("mosaic_gpu", {}, "mosaic_gpu_v2")] + [
+        ("triton", dict(block_rows=r, block_cols=c), "__gpu$xla.gpu.triton") for r, c in case["blocks"]]
+    with jax.default_device(gpu_device("h200")):
+        for backend, blocks, want in variants:
+            dispatch = jax.jit(lambda x, e, p, b=backend, o=blocks: moe_kernels.moe_dispatch(
+                x, e, p, experts, capacity, backend=b, **o))
+            combine = jax.jit(lambda y, e, p, w, b=backend, o=blocks: moe_kernels.moe_combine(
+                y, e, p, w, backend=b, **o))
+            assert want in _custom_calls(dispatch.lower(x, idx, idx).compile())
+            assert want in _custom_calls(combine.lower(y, idx, idx, w).compile())
+
+
+@needs_gpu_compile
+@pytest.mark.slow
+def test_gpu_moe_layers_compile_for_h200():
+    """`benchmarks/gpu_moe.py`'s layer case at every expert shape: the Pallas layer (Mosaic GPU
+    kernels) and the two layers it is timed against, forward and backward."""
+    bench = _benchmark("gpu_moe")
+    layer = bench.GPU_CASE["layer"]
+    with jax.default_device(gpu_device("h200")):
+        steps = bench.layer_steps(layer)
+        for experts, hidden in layer["experts"]:
+            args = jax.eval_shape(lambda e=experts, h=hidden: bench.moe_layer.make_inputs(
+                layer, e, h, "bfloat16"))
+            for name, step in steps.items():
+                calls = _custom_calls(step.lower(*args).compile())
+                assert ("mosaic_gpu_v2" in calls) == (name == "pallas"), (name, calls)
+
+
+@needs_gpu_compile
+@pytest.mark.slow
+def test_gpu_offload_modes_compile_for_h200():
+    """`benchmarks/gpu_offload.py`'s two suite modes at its 1.3B model on one H200: all in
+    device memory, and everything offloaded with the layers streamed. (Before this compile
+    the streamed mode could not trace for a GPU: `offload.to_device` left its values typed as
+    host memory, which XLA:CPU's types never show.)"""
+    bench = _benchmark("gpu_offload")
+    report = {}
+    for mode in ("device", "all_host"):
+        config = bench.bench_config(mode, bench.FULL_MODEL)
+        devices = deviceless.devices("h200", 1)
+        report[mode] = initialize(config, mesh=make_mesh(config.mesh, devices=devices)).memory_report()
+    device, offloaded = (report[m]["per_device_bytes"] for m in ("device", "all_host"))
+    assert report["all_host"]["sources"]["device"] == "compiled"  # XLA:GPU separates host memory
+    assert offloaded["host"] > device["params"] and offloaded["device"] < device["device"] / 2
+    assert device["device"] < targets.load("h200").memory_bytes
