@@ -341,3 +341,36 @@ def test_gpu_offload_modes_compile_for_h200():
     assert report["all_host"]["sources"]["device"] == "compiled"  # XLA:GPU separates host memory
     assert offloaded["host"] > device["params"] and offloaded["device"] < device["device"] / 2
     assert device["device"] < targets.load("h200").memory_bytes
+
+
+@needs_gpu_compile
+@pytest.mark.slow
+def test_blocked_attention_gpu_paths_compile_for_h200():
+    """`benchmarks/blocked_attention.py --gpu`'s three paths at seq 32768, bf16: the blocked
+    one stays O(seq * block) in scratch, the dense reference does not."""
+    bench = _benchmark("blocked_attention")
+    case = bench.GPU
+    x = jax.ShapeDtypeStruct((case["batch"], case["seq"], case["heads"], case["head_dim"]),
+                             jnp.bfloat16)
+    temp = {}
+    with jax.default_device(gpu_device("h200")):
+        for name, step in bench.steps(case).items():
+            temp[name] = step.lower(x, x, x, x).compile().memory_analysis().temp_size_in_bytes
+    scores = case["batch"] * case["heads"] * case["seq"] ** 2 * 4  # fp32 [b, h, L, L]
+    assert temp["reference"] >= scores > 8 * temp["blocked"]
+
+
+@needs_gpu_compile
+@pytest.mark.slow
+def test_gpu_engine_steps_compile_for_h200():
+    """`benchmarks/gpu_engine.py`'s two engines at their GPU sizes on one H200: the overhead
+    case's GPT (12 x 1024, seq 1024, micro 16) and the throughput case's tiny Llama."""
+    bench = _benchmark("gpu_engine")
+    overhead = _benchmark("overhead")
+    configs = (overhead.bench_config(bench.GPU_CASE["overhead"]),
+               bench.throughput_config(bench.GPU_CASE["throughput"]))
+    for config in configs:
+        devices = deviceless.devices("h200", 1)
+        report = initialize(config, mesh=make_mesh(config.mesh, devices=devices)).memory_report()
+        assert report["source"] == "compiled-gpu"
+        assert 0 < report["per_device_bytes"]["device"] < targets.load("h200").memory_bytes
