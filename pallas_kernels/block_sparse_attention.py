@@ -331,10 +331,11 @@ def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
       interpret: run the kernels interpreted; default: when not compiling for a GPU (see
         `_backend.resolve`; an `InterpretGPUParams` runs the Mosaic GPU kernels interpreted).
       backend: "mosaic_gpu" or "triton"; default: from the device compiled for (Mosaic GPU
-        on sm_90 and newer, `block_sparse_attention_mgpu`, for blocks and head dims of 64 or
-        128, and Triton for the other sizes, which it has no kernel for; Triton on older GPUs;
-        the Triton-form kernels interpreted on CPU). `jaxspeed.attention`'s `impl="auto"`
-        takes its XLA path for those other sizes on sm_90 instead.
+        on sm_90 and newer, `block_sparse_attention_mgpu`, which takes blocks and head dims of
+        64 or 128 and refuses others in one line; Triton on older GPUs; the Triton-form
+        kernels interpreted on CPU). `backend="triton"` still runs the Triton kernel on sm_90
+        while JAX has it; `jaxspeed.attention`'s `impl="auto"` takes its XLA path there for
+        the sizes the Mosaic kernel does not take.
 
     Returns:
       `[batch, seq, heads, head_dim]` in `q`'s dtype; fp32 accumulation inside.
@@ -358,14 +359,10 @@ def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
     scale = float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale)
     family, interpret = _backend.resolve(backend, interpret)
     if family == _backend.MOSAIC_GPU:
-        from pallas_kernels import block_sparse_attention_mgpu as mosaic
+        from pallas_kernels import block_sparse_attention_mgpu
 
-        if backend is None and not mosaic.supports(block, head_dim, q.dtype):
-            # no Mosaic GPU kernel for this block / head dim: the Triton one, while JAX has it
-            family, interpret = _backend.resolve(_backend.TRITON, interpret is not None)
-        else:
-            return mosaic.attention(q, k, v, blocks, causal=causal, sm_scale=scale,
-                                    interpret=interpret)
+        return block_sparse_attention_mgpu.attention(q, k, v, blocks, causal=causal,
+                                                     sm_scale=scale, interpret=interpret)
     if not interpret and (block < 16 or block & (block - 1)):
         raise ValueError(
             f"the compiled (Triton) kernel needs a block size that is a power of 2 and >= 16, "
