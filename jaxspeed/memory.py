@@ -19,8 +19,8 @@ from jaxspeed.offload import on_host
 COMPILED, ARRAYS, MODEL = "compiled", "arrays", "model"
 #: The values of a report's `sources` and of each `device_model` row's `source`.
 SOURCES = (COMPILED, ARRAYS, MODEL)
-#: A report's `source`: which compiler's `memory_analysis()` its `compiled` figures are.
-COMPILED_GPU, COMPILED_CPU = "compiled-gpu", "compiled-cpu"
+#: A report's `source` for XLA:GPU (`compiled-<platform>`: which compiler's analysis it is).
+COMPILED_GPU = "compiled-gpu"
 
 #: Said in reports when XLA's analysis cannot tell host from device memory (the CPU backend).
 HOST_NOTE = (
@@ -163,11 +163,10 @@ def memory_report(engine) -> dict[str, Any]:
         host, device = 0, total
         sources |= {"device": COMPILED, "host": COMPILED}
     compiled_for = engine.mesh.devices.flat[0]
-    platform = compiled_for.platform
     return {
         "mesh": dict(engine.mesh.shape),
         "zero_stage": engine.plan.stage,
-        "source": COMPILED_GPU if platform == "gpu" else f"compiled-{platform}",
+        "source": f"compiled-{compiled_for.platform}",
         "device_kind": compiled_for.device_kind,
         "per_device_bytes": {
             **estimate, "temp": compiled["temp"], "total": total, "device": device, "host": host,

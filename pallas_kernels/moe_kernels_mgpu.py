@@ -302,13 +302,21 @@ def _ring(static: _Static, dtype):
     return plgpu.SMEM((static.stages, static.rows, static.block_m), dtype)
 
 
+def _weighted_rows_scratch(static: _Static, k: int, rows_dtype, tile_dtype):
+    """`_weighted_rows_kernel`'s scratch: the gather ring, a `[bt, bm]` tile (the output rows,
+    or the cotangent rows for d weight), the `[k, bt]` slot and weight tables, the ring's
+    barriers and the tables' barrier."""
+    bt = static.block_t
+    return (_ring(static, rows_dtype), plgpu.SMEM((bt, static.block_m), tile_dtype),
+            plgpu.SMEM((k, bt), jnp.int32), plgpu.SMEM((k, bt), jnp.float32),
+            plgpu.Barrier(num_arrivals=static.rows, num_barriers=static.stages),
+            plgpu.Barrier(num_arrivals=2))
+
+
 def _combine_call(y, slots, weight, static: _Static):
     """`out[t] = sum_j weight[j, t] * y[slots[j, t]]`: y `[S, Mp]`, slots/weight `[k, Tp]`."""
     k, bt = slots.shape[0], static.block_t
-    scratch = (_ring(static, y.dtype), plgpu.SMEM((bt, static.block_m), y.dtype),
-               plgpu.SMEM((k, bt), jnp.int32), plgpu.SMEM((k, bt), jnp.float32),
-               plgpu.Barrier(num_arrivals=static.rows, num_barriers=static.stages),
-               plgpu.Barrier(num_arrivals=2))
+    scratch = _weighted_rows_scratch(static, k, y.dtype, y.dtype)
     kernel = functools.partial(_weighted_rows_kernel, k=k, static=static, dweight=False)
     grid = (static.tokens_padded // bt, static.width_padded // static.block_m)
     out = out_like((y, slots, weight), (static.tokens_padded, static.width_padded), y.dtype)
@@ -319,10 +327,7 @@ def _combine_call(y, slots, weight, static: _Static):
 def _combine_dw_call(y, slots, do, static: _Static):
     """`dw[j, t] = <y[slots[j, t]], do[t]>`, fp32 `[k, Tp]` (0 for dropped choices)."""
     k, bt = slots.shape[0], static.block_t
-    scratch = (_ring(static, y.dtype), plgpu.SMEM((bt, static.block_m), do.dtype),
-               plgpu.SMEM((k, bt), jnp.int32), plgpu.SMEM((k, bt), jnp.float32),
-               plgpu.Barrier(num_arrivals=static.rows, num_barriers=static.stages),
-               plgpu.Barrier(num_arrivals=2))
+    scratch = _weighted_rows_scratch(static, k, y.dtype, do.dtype)
     kernel = functools.partial(_weighted_rows_kernel, k=k, static=static, dweight=True)
     num_col_blocks = static.width_padded // static.block_m
     grid = (static.tokens_padded // bt, num_col_blocks)
