@@ -27,7 +27,7 @@ def use_cpu_devices(count: int = DEVICES) -> None:
     `jaxspeed bench NAME` JAX may already be imported, or even running: then whatever devices
     exist are used, and anything other than `count` of them stops the benchmark with a message.
     """
-    from jaxspeed.host_allocator import keep_freed_memory
+    from jaxspeed.runtime.host_allocator import keep_freed_memory
 
     keep_freed_memory()  # jaxspeed's host allocator, before JAX starts: both sides run under it
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

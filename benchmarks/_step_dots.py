@@ -75,7 +75,7 @@ def rate(hlo_text: str, mesh, *, repeats: int = 5) -> dict:
       `{"gflops": aggregate GFLOP/s over all devices (at the best run), "flops_per_device":
       per step, "dots_per_device": dot executions per step, "seconds": the best run}`.
     """
-    from jaxspeed.profiler import dots as find_dots
+    from jaxspeed.cost.profiler import dots as find_dots
 
     dots = find_dots(hlo_text)
     if not dots:

@@ -103,7 +103,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def candidate(mesh, stage, remat, micro, accumulation, schedule, offload="none"):
     from jaxspeed.autoplan.space import Candidate
-    from jaxspeed.mesh import AXES
+    from jaxspeed.runtime.mesh import AXES
 
     return Candidate(tuple((a, mesh.get(a, 1)) for a in AXES), stage, remat, micro, accumulation, schedule,
                      offload)
@@ -118,7 +118,7 @@ def measure(config, plans, *, rounds: int, warmup: int = 2) -> list[list[float]]
 
     from jaxspeed.autoplan.space import apply
     from jaxspeed.data import TokenDataset
-    from jaxspeed.engine import initialize
+    from jaxspeed.train.engine import initialize
 
     runs = []
     for plan in plans:

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from jaxspeed.checkpoint import Checkpointer
-    from jaxspeed.engine import initialize
+    from jaxspeed.train.engine import initialize
     from jaxspeed.models.gpt import count_params
 
     config = bench_config(case)

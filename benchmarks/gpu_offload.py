@@ -78,7 +78,7 @@ def run_mode(mode: str, model: dict, steps: int) -> dict:
     import jax
     import numpy as np
 
-    from jaxspeed.engine import initialize
+    from jaxspeed.train.engine import initialize
     from jaxspeed.models.gpt import count_params
 
     engine = initialize(bench_config(mode, model))

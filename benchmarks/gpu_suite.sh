@@ -79,7 +79,7 @@ case "${1:-}" in
 import sys
 try:
     import chex, jax, pytest  # noqa: F401
-    import jaxspeed.engine, jaxspeed.train_loop  # noqa: F401
+    import jaxspeed.train.engine, jaxspeed.train.loop  # noqa: F401
     from pallas_kernels._backend import on_gpu
 except ModuleNotFoundError as err:
     sys.exit(f"gpu_suite.sh: Python module {err.name!r} is missing for {sys.executable}; "

@@ -6,9 +6,9 @@ embeddings; 1.24B parameters) in its dtype, bfloat16 (`--dtype float32` doubles 
 1 GB safetensors shards with an index. Then, each repeated and the median taken:
 
 - **raw**: `safetensors.numpy.load_file` of every shard (the files' bytes into numpy);
-- **import**: `jaxspeed.hf.import_hf` (read, transpose, stack the layers, write the params
+- **import**: `jaxspeed.checkpoint.hf.import_hf` (read, transpose, stack the layers, write the params
   checkpoint, complete on disk);
-- **export**: `jaxspeed.hf.export_hf` of that checkpoint (read, transpose back, write the
+- **export**: `jaxspeed.checkpoint.hf.export_hf` of that checkpoint (read, transpose back, write the
   safetensors shards and index).
 
 Throughput is the safetensors bytes over the wall time, in MB/s. Each line's ratio is the
@@ -48,11 +48,11 @@ def write_random_llama(folder: Path, case: dict, dtype: str = "float32") -> int:
     """Writes config.json and random shards (with an index); returns the tensor bytes."""
     import numpy as np
 
-    from jaxspeed.hf.convert import DTYPES
+    from jaxspeed.checkpoint.hf.convert import DTYPES
 
-    from jaxspeed.hf import files as hf_files
-    from jaxspeed.hf.config import hf_from_model
-    from jaxspeed.hf.weights import hf_shapes
+    from jaxspeed.checkpoint.hf import files as hf_files
+    from jaxspeed.checkpoint.hf.config import hf_from_model
+    from jaxspeed.checkpoint.hf.weights import hf_shapes
 
     model = {"vocab_size": case["vocab_size"], "d_model": case["hidden_size"],
              "n_layers": case["num_hidden_layers"], "n_heads": case["num_attention_heads"],
@@ -111,7 +111,7 @@ def main() -> None:
     case = QUICK if args.quick else FULL
     repeats = args.repeats or case["repeats"]
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jaxspeed.hf import export_hf, import_hf
+    from jaxspeed.checkpoint.hf import export_hf, import_hf
 
     work = Path(tempfile.mkdtemp(prefix="jaxspeed-import-export-"))
     try:

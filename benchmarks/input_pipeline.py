@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from jaxspeed.engine import initialize
-    from jaxspeed.grain_data import make_dataset
+    from jaxspeed.train.engine import initialize
+    from jaxspeed.data.grain_loader import make_dataset
 
     case = QUICK if args.quick else FULL
     rounds = args.rounds or case["rounds"]

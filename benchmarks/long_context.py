@@ -115,8 +115,8 @@ def bench_config(seq: int, variant: tuple, *, setup: dict):
 
 def measure(seq: int, variant: tuple, *, setup: dict) -> dict:
     """One probe: the compiled step's per-device bytes at length `seq` (nothing allocated)."""
-    from jaxspeed.engine import initialize
-    from jaxspeed.memory import COMPILED
+    from jaxspeed.train.engine import initialize
+    from jaxspeed.cost.memory import COMPILED
 
     start = time.perf_counter()
     report = initialize(bench_config(seq, variant, setup=setup)).memory_report()
@@ -181,7 +181,7 @@ def step_times(setup: dict, repeats: int) -> dict:
     import jax
     import numpy as np
 
-    from jaxspeed.engine import initialize
+    from jaxspeed.train.engine import initialize
 
     seq = setup["step_seq"]
     calls, tokens, compile_s, first_loss = {}, {}, {}, {}
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _common.use_cpu_devices(_common.DEVICES)
     from jaxspeed.config import parse_bytes
-    from jaxspeed.memory import COMPILED
+    from jaxspeed.cost.memory import COMPILED
 
     setup = dict(QUICK if args.quick else FULL)
     if args.max_seq is not None:

@@ -67,7 +67,7 @@ def options(config) -> dict[str, str]:
     plain data axis. Weights and optimizer state stay fp32 in both; bf16 is the compute dtype.
     """
     from jaxspeed.config import resolve_batch
-    from jaxspeed.mesh import data_parallel_size, make_mesh
+    from jaxspeed.runtime.mesh import data_parallel_size, make_mesh
 
     m, mesh, stage = config.model, config.mesh, config.zero_optimization.stage
     unsupported = {

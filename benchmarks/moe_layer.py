@@ -225,7 +225,7 @@ def use_one_cpu_device() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxspeed.host_allocator import keep_freed_memory
+    from jaxspeed.runtime.host_allocator import keep_freed_memory
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (tests)")

@@ -17,7 +17,7 @@ Device bytes are `memory_report()["per_device_bytes"]["device"]`, with its sourc
 memory kinds `device` and `pinned_host` are apart in `memory_analysis()`), every probe's device
 bytes are compiled, and so is the ratio. On CPU, where XLA counts host and device memory
 together, the baseline's are still compiled but the offload probes' are modelled (see
-`jaxspeed.memory`): the host-resident state (from the arrays) and the streamed layers'
+`jaxspeed.cost.memory`): the host-resident state (from the arrays) and the streamed layers'
 gradients (all but one layer's) are subtracted from the compiled total, and one layer's
 fetched params are added back. That credit assumes the peak comes when the gradients are done;
 if it comes at the start of the backward pass instead, the saved layer inputs (full remat: one
@@ -73,8 +73,8 @@ def bench_config(width: int, *, setup: dict, offload: bool):
 
 
 def measure(width: int, *, setup: dict, offload: bool) -> dict:
-    from jaxspeed.engine import initialize
-    from jaxspeed.memory import MODEL
+    from jaxspeed.train.engine import initialize
+    from jaxspeed.cost.memory import MODEL
     from jaxspeed.models.gpt import count_params
 
     start = time.perf_counter()
@@ -114,7 +114,7 @@ def largest_fitting(budget: int, *, setup: dict, offload: bool, log: list) -> di
 def describe_sources(log: list[dict]) -> tuple[str, list[str]]:
     """The ratio's source (`compiled` only if every probe's device bytes are) and the lines
     saying which device figures are modelled."""
-    from jaxspeed.memory import COMPILED, MODEL
+    from jaxspeed.cost.memory import COMPILED, MODEL
 
     by_probe = {
         probe: {r["sources"]["device"] for r in log if r["offload"] == (probe == "offload")}
@@ -131,7 +131,7 @@ def describe_sources(log: list[dict]) -> tuple[str, list[str]]:
     lines.append(
         "modelled = this backend's memory_analysis() counts host and device memory together: "
         "compiled total - host-resident state (arrays) + one streamed layer's fetched params "
-        "- all but one layer's streamed gradients + the remat margin (jaxspeed.memory); host "
+        "- all but one layer's streamed gradients + the remat margin (jaxspeed.cost.memory); host "
         "MiB is summed from the arrays' memory kinds"
     )
     lines.append("ratio source: model (the offload search is decided by modelled device bytes)")
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _common.use_cpu_devices(args.devices)
     from jaxspeed.config import parse_bytes
-    from jaxspeed.memory import ARRAYS, COMPILED
+    from jaxspeed.cost.memory import ARRAYS, COMPILED
 
     setup = dict(QUICK if args.quick else FULL)
     budget = parse_bytes(args.budget or setup["budget"])

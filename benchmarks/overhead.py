@@ -65,7 +65,7 @@ def baseline_step(model):
     import jax
     import optax
 
-    from jaxspeed.losses import lm_loss
+    from jaxspeed.ops.losses import lm_loss
 
     b1, b2 = OPTIMIZER["betas"]
     tx = optax.chain(
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxspeed.engine import initialize
+    from jaxspeed.train.engine import initialize
     from jaxspeed.models import build_gpt
     from jaxspeed.models.gpt import count_params
 

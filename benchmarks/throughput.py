@@ -9,7 +9,7 @@ devices, fp32 weights. Three configurations of it (`CONFIGS`):
   3. fsdp4_tensor2: ZeRO-3 over data 4 x tensor 2 (MaxText's FSDP 4 x tensor 2), bf16, full
      remat, two sequences per data replica.
 Every configuration trains 8 sequences (2,048 tokens) per step.
-jaxspeed runs `jaxspeed.train_loop.train(...)` with a metrics line every step. With
+jaxspeed runs `jaxspeed.train.loop.train(...)` with a metrics line every step. With
 `--maxtext PYTHON` (a Python with MaxText installed: `make maxtext`), MaxText trains the same
 model, mesh, precision and remat (`maxtext_peer.options`) on synthetic tokens. The two run
 alternately, `--rounds` times each (jaxspeed, MaxText, jaxspeed, MaxText), each run a fresh
@@ -31,7 +31,7 @@ token: no trainer runs faster on this machine, whatever its overheads. Where the
 matmul units (AVX-512 BF16), a bf16 matmul runs faster than an fp32 one, so the bf16
 configurations also report `peak_fraction_bf16`, against XLA's best bf16 matmul measured in the
 same run. On a CPU without bf16 matmul units, jaxspeed's bf16 dots take fp32 operands
-(`jaxspeed.matmul`; the JSON's `bf16_dot_operands` says which ran); MaxText's dots run as XLA
+(`jaxspeed.ops.matmul`; the JSON's `bf16_dot_operands` says which ran); MaxText's dots run as XLA
 gives them.
 
 `dots_alone_fraction` says how much of the gap to the peak is the matmuls' own: the step's
@@ -169,7 +169,7 @@ def maxtext_records(step_seconds: dict[int, float], tokens_per_step: int) -> lis
 
 def train_jaxspeed(config, *, steps: int) -> list[dict]:
     """Trains `config` for `steps` steps in a scratch folder; returns its metrics records."""
-    from jaxspeed.train_loop import train
+    from jaxspeed.train.loop import train
 
     with tempfile.TemporaryDirectory(prefix="jaxspeed-throughput-") as out:
         train(config, output_dir=out, steps=steps, progress=False)
@@ -214,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from jaxspeed.config import load_config, resolve_batch
-    from jaxspeed.engine import initialize
-    from jaxspeed.host_allocator import keep_freed_memory
-    from jaxspeed.matmul import widens_bf16
-    from jaxspeed.mesh import data_parallel_size, make_mesh
+    from jaxspeed.train.engine import initialize
+    from jaxspeed.runtime.host_allocator import keep_freed_memory
+    from jaxspeed.ops.matmul import widens_bf16
+    from jaxspeed.runtime.mesh import data_parallel_size, make_mesh
 
     rows = []
     peak_samples: list[dict[str, float]] = []

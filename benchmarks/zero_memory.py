@@ -115,8 +115,8 @@ def measure(stage: int, model: dict, *, seq_len: int, layer_by_layer: bool = Fal
     """Per-device bytes of one stage: real state shards, the plan's grads, the compiled step."""
     import jax
 
-    from jaxspeed.engine import initialize
-    from jaxspeed.memory import compiled_stats, step_peak
+    from jaxspeed.train.engine import initialize
+    from jaxspeed.cost.memory import compiled_stats, step_peak
     from jaxspeed.models.gpt import count_params
 
     engine = initialize(bench_config(model, stage=stage, seq_len=seq_len,

@@ -1,12 +1,17 @@
 """jaxspeed: JAX/XLA-native parallel training; every parallelism is a sharding XLA compiles."""
 
-from jaxspeed import attention, distributed, export, moe, optim, pipeline, sharding
-from jaxspeed.config import Config, load_config
-from jaxspeed.engine import Engine, initialize
-from jaxspeed.errors import ConfigError, JaxspeedError
-from jaxspeed.mesh import make_mesh
-from jaxspeed.sharding import Plan, plan_sharding
-from jaxspeed.train_step import TrainState
+from jaxspeed import _moved
+
+_moved.install()
+
+from jaxspeed import attention, moe, optim, pipeline, sharding  # noqa: E402
+from jaxspeed.checkpoint import export  # noqa: E402
+from jaxspeed.config import Config, load_config  # noqa: E402
+from jaxspeed.errors import ConfigError, JaxspeedError  # noqa: E402
+from jaxspeed.runtime import distributed  # noqa: E402
+from jaxspeed.runtime.mesh import make_mesh  # noqa: E402
+from jaxspeed.sharding import Plan, plan_sharding  # noqa: E402
+from jaxspeed.train import Engine, TrainState, initialize  # noqa: E402
 
 __all__ = [
     "Config",

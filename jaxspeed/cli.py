@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jaxspeed.errors import JaxspeedError
-    from jaxspeed.host_allocator import keep_freed_memory
+    from jaxspeed.runtime.host_allocator import keep_freed_memory
 
     try:
         keep_freed_memory()
@@ -198,13 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if getattr(args, "cpu_devices", None) is not None:
-            from jaxspeed.distributed import set_cpu_devices
+            from jaxspeed.runtime.distributed import set_cpu_devices
 
             set_cpu_devices(args.cpu_devices)
         if args.command == "plan" and (args.target or args.cluster):
             _compile_on_cpu_host()
         if args.command in ("train", "plan"):
-            from jaxspeed import distributed
+            from jaxspeed.runtime import distributed
 
             if args.distributed or distributed.launched():
                 distributed.initialize()  # before any JAX computation
@@ -230,7 +230,7 @@ def _load(args):
 
 
 def _train(args) -> int:
-    from jaxspeed.train_loop import train
+    from jaxspeed.train.loop import train
 
     record = train(
         _load(args), output_dir=args.output, steps=args.steps,
@@ -282,16 +282,16 @@ def _plan(args) -> int:
         return _auto_plan(args)
     if args.apply:
         raise JaxspeedError("--apply goes with --auto")
-    from jaxspeed.engine import initialize
-    from jaxspeed.fit import device_memory, engine_verdict
-    from jaxspeed.plan_report import format_plan
+    from jaxspeed.train.engine import initialize
+    from jaxspeed.cost.fit import device_memory, engine_verdict
+    from jaxspeed.cost.report import format_plan
 
     config = _load(args)
     target = _gpu_target(args)
     mesh = None
     if target is not None:
         from jaxspeed.gpu import deviceless, targets
-        from jaxspeed.mesh import make_mesh
+        from jaxspeed.runtime.mesh import make_mesh
 
         name, count, cluster = target
         mesh = make_mesh(config.mesh, devices=deviceless.devices(name, count))
@@ -384,10 +384,10 @@ def _bench(args) -> int:
 
 def _export(args) -> int:
     from jaxspeed.errors import JaxspeedError
-    from jaxspeed.export import export_params
+    from jaxspeed.checkpoint.export import export_params
 
     if args.format == "hf":
-        from jaxspeed.hf import export_hf
+        from jaxspeed.checkpoint.hf import export_hf
 
         out = export_hf(args.checkpoint, args.out, step=args.step, dtype=args.dtype)
     elif args.dtype is not None:
@@ -399,7 +399,7 @@ def _export(args) -> int:
 
 
 def _import_hf(args) -> int:
-    from jaxspeed.hf import import_hf
+    from jaxspeed.checkpoint.hf import import_hf
 
     out = import_hf(args.folder, args.out, dtype=args.dtype)
     print(f"wrote {out}")
@@ -407,7 +407,7 @@ def _import_hf(args) -> int:
 
 
 def _tokenize(args) -> int:
-    from jaxspeed.text_tokens import tokenize_files
+    from jaxspeed.data.text_tokens import tokenize_files
 
     result = tokenize_files(
         args.files, tokenizer_path=args.tokenizer, out=args.out, text_key=args.text_key,
@@ -418,7 +418,7 @@ def _tokenize(args) -> int:
 
 
 def _tokenizer(args) -> int:
-    from jaxspeed.text_tokens import train_bpe
+    from jaxspeed.data.text_tokens import train_bpe
 
     path = train_bpe(args.files, vocab_size=args.vocab_size, out_dir=args.out, text_key=args.text_key)
     print(f"wrote {path}")
@@ -426,7 +426,7 @@ def _tokenizer(args) -> int:
 
 
 def _launch(args) -> int:
-    from jaxspeed.launch import DEFAULT_GRACE, DEFAULT_INIT_TIMEOUT, launch
+    from jaxspeed.runtime.launch import DEFAULT_GRACE, DEFAULT_INIT_TIMEOUT, launch
 
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     return launch(
@@ -440,10 +440,10 @@ def _sample(args) -> int:
     import jax
 
     from jaxspeed.config import load_config
-    from jaxspeed.engine import initialize
-    from jaxspeed.export import load_trained
-    from jaxspeed.params_checkpoint import is_params_checkpoint, read_record, start_from
-    from jaxspeed.sampling import Codec, sample_text
+    from jaxspeed.train.engine import initialize
+    from jaxspeed.checkpoint.export import load_trained
+    from jaxspeed.checkpoint.params import is_params_checkpoint, read_record, start_from
+    from jaxspeed.models.sampling import Codec, sample_text
 
     codec = Codec(args.tokenizer)
     if is_params_checkpoint(args.checkpoint):  # straight from `jaxspeed import-hf`

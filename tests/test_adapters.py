@@ -10,7 +10,7 @@ from flax import nnx
 
 import jaxspeed as js
 from jaxspeed.data import TokenDataset
-from jaxspeed.losses import lm_loss
+from jaxspeed.ops.losses import lm_loss
 from numerics import assert_adam_params_close, program_rtol
 
 CONFIG = [

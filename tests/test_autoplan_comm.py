@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 from jaxspeed.autoplan.comm import (
     collective_seconds, collective_time, group_axes, hosts_spanned, step_comm_seconds,
 )
-from jaxspeed.mesh import AXES, make_mesh
-from jaxspeed.profiler import Collective, collectives
+from jaxspeed.runtime.mesh import AXES, make_mesh
+from jaxspeed.cost.profiler import Collective, collectives
 
 
 @dataclasses.dataclass(frozen=True)

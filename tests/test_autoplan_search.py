@@ -12,9 +12,9 @@ from jaxspeed.autoplan.cluster import load_cluster, save_cluster
 from jaxspeed.autoplan.search import NoPlanFits, compiled_cost, proxy_sizes, search
 from jaxspeed.autoplan.space import Candidate
 from jaxspeed.cli import main
-from jaxspeed.fit import engine_verdict
-from jaxspeed.mesh import AXES
-from jaxspeed.train_loop import train
+from jaxspeed.cost.fit import engine_verdict
+from jaxspeed.runtime.mesh import AXES
+from jaxspeed.train.loop import train
 from test_cli import run_cli
 
 MODEL = {"vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,

@@ -16,7 +16,7 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from jaxspeed.matmul import widens_bf16
+from jaxspeed.ops.matmul import widens_bf16
 from test_benchmarks import ROOT, load_benchmark
 
 #: A stand-in for a MaxText venv's python: a config path for `-c`, one step line per step for
@@ -197,7 +197,7 @@ def test_the_dots_alone_program_runs_each_dot_of_the_step_as_often():
     import jax
     from jax.sharding import AxisType
 
-    from jaxspeed.profiler import Dot, dots
+    from jaxspeed.cost.profiler import Dot, dots
 
     replay = load_benchmark("_step_dots")
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)

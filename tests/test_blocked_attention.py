@@ -12,7 +12,7 @@ from gpu_lowering import lower_for_cuda
 from jaxspeed.attention import blocked_attention
 from jaxspeed.config import load_config
 from jaxspeed.errors import ConfigError
-from jaxspeed.losses import lm_loss
+from jaxspeed.ops.losses import lm_loss
 from jaxspeed.models import GPT, build_gpt
 from jaxspeed.models.gpt import causal_attention
 from numerics import assert_close, mixed_rtol, program_rtol

@@ -17,7 +17,7 @@ from flax import serialization
 import jaxspeed as js
 from jaxspeed.checkpoint import Checkpointer, CheckpointError
 from jaxspeed.data import TokenDataset
-from jaxspeed.train_loop import NonFiniteLoss, train
+from jaxspeed.train.loop import NonFiniteLoss, train
 from numerics import gpt_rtol
 
 ROOT = Path(__file__).resolve().parents[1]

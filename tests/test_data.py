@@ -1,4 +1,4 @@
-"""Tests for byte-level token data (jaxspeed/data.py) and the LM loss (jaxspeed/losses.py)."""
+"""Tests for byte-level token data (jaxspeed/data/dataset.py) and the LM loss (jaxspeed/ops/losses.py)."""
 
 from types import SimpleNamespace
 
@@ -9,7 +9,7 @@ import pytest
 
 from jaxspeed.data import TokenDataset, load_text_bytes, make_global_batch
 from jaxspeed.errors import ConfigError, JaxspeedError
-from jaxspeed.losses import lm_loss
+from jaxspeed.ops.losses import lm_loss
 from numerics import program_rtol
 
 SMALL = 200_000

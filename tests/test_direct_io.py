@@ -1,13 +1,13 @@
-"""`jaxspeed.direct_io`: files streamed through two staging buffers, lazy arrays in order."""
+"""`jaxspeed.checkpoint.direct_io`: files streamed through two staging buffers, lazy arrays in order."""
 
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from jaxspeed import direct_io
-from jaxspeed.direct_io import LazyArray
-from jaxspeed.hf import export_hf, import_hf
+from jaxspeed.checkpoint import direct_io
+from jaxspeed.checkpoint.direct_io import LazyArray
+from jaxspeed.checkpoint.hf import export_hf, import_hf
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "llama"
 SMALL = 2 * 4096  # staging buffers of two disk blocks: every file wraps around them

@@ -11,7 +11,7 @@ import pytest
 
 import jaxspeed as js
 from jaxspeed.data import TokenDataset
-from jaxspeed.losses import lm_loss
+from jaxspeed.ops.losses import lm_loss
 from jaxspeed.models import build_gpt
 from numerics import assert_adam_params_close, gpt_rtol
 
@@ -143,7 +143,7 @@ def test_init_again_neither_traces_nor_compiles(engine_runs, caplog):
 
 def state_bytes(engine):
     abstract = engine.abstract_state()
-    from jaxspeed.memory import sharded_bytes
+    from jaxspeed.cost.memory import sharded_bytes
 
     return sharded_bytes(abstract.params), sharded_bytes(abstract.opt_state)
 
@@ -231,7 +231,7 @@ def test_memory_report_fields(engine_runs):
 
 
 def test_sharded_bytes_counts_the_whole_state(engine_runs):
-    from jaxspeed.memory import sharded_bytes
+    from jaxspeed.cost.memory import sharded_bytes
 
     engine, _, _ = engine_runs["data8", 3]
     abstract = engine.abstract_state()
@@ -245,7 +245,7 @@ def test_stage3_within_the_live_budget_gathers_once_per_step(engine_runs, mesh_n
     """Under `max_live_parameters` the step gathers every param once (bf16 would halve the
     bytes; here fp32); layer by layer it gathers in the forward scan and again in the backward
     scan, once per layer each time."""
-    from jaxspeed.profiler import collectives
+    from jaxspeed.cost.profiler import collectives
 
     def gathers(stage):
         engine = engine_runs[mesh_name, stage][0]

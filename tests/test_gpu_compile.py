@@ -17,10 +17,10 @@ from gpu_compile import compile_for_gpu, gpu_device, needs_gpu_compile
 
 from jaxspeed.cli import main
 from jaxspeed.config import load_config
-from jaxspeed.engine import initialize
+from jaxspeed.train.engine import initialize
 from jaxspeed.errors import JaxspeedError
 from jaxspeed.gpu import deviceless, targets
-from jaxspeed.mesh import make_mesh
+from jaxspeed.runtime.mesh import make_mesh
 from pallas_kernels import _backend
 
 CONFIGS = ("gpt_zero3", "gpt_tp2_zero3", "gpt_3d", "gpt_moe", "gpt_sparse", "gpt_long")

@@ -10,10 +10,10 @@ import pytest
 from jaxspeed.cli import main
 from jaxspeed.config import load_config
 from jaxspeed.errors import ConfigError, JaxspeedError
-from jaxspeed.grain_data import GrainTokenDataset, make_dataset
-from jaxspeed.packing import segment_ids_and_positions
-from jaxspeed.text_tokens import load_tokenizer, train_bpe
-from jaxspeed.token_files import TokenRows
+from jaxspeed.data.grain_loader import GrainTokenDataset, make_dataset
+from jaxspeed.data.packing import segment_ids_and_positions
+from jaxspeed.data.text_tokens import load_tokenizer, train_bpe
+from jaxspeed.data.token_files import TokenRows
 
 WORDS = "the a data model token grain shard batch step loss seed row file text jax mesh".split()
 TINY_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq_len": 16, "vocab_size": 512}
@@ -201,7 +201,7 @@ def test_text_source_tokenizes_once_with_eos_after_each_document(tmp_path, corpu
     def no_second_tokenize(*args, **kwargs):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr("jaxspeed.text_tokens.tokenize_files", no_second_tokenize)
+    monkeypatch.setattr("jaxspeed.data.text_tokens.tokenize_files", no_second_tokenize)
     assert_batches_equal(make_dataset(cfg).batch(0, global_batch=4), data.batch(0, global_batch=4))
 
 
@@ -281,7 +281,7 @@ def test_cli_tokenizer_train_rejects_tiny_vocab(tmp_path, corpus, capsys):
 
 def test_train_on_token_files_saves_and_resumes_the_iterator(tmp_path):
     from jaxspeed.checkpoint import Checkpointer
-    from jaxspeed.train_loop import train
+    from jaxspeed.train.loop import train
 
     np.save(tmp_path / "a.npy", stream(3000, vocab=500))
     stream(1000, vocab=500).astype(np.uint32).tofile(tmp_path / "b.bin")
@@ -298,7 +298,7 @@ def test_train_on_token_files_saves_and_resumes_the_iterator(tmp_path):
 
 
 def test_engine_places_packed_batches(tmp_path):
-    from jaxspeed.engine import initialize
+    from jaxspeed.train.engine import initialize
 
     np.save(tmp_path / "a.npy", stream(3000, vocab=500))
     cfg = config(tmp_path, source="tokens", files=str(tmp_path / "a.npy"), packing=True, eos_id=0)

@@ -19,10 +19,10 @@ from safetensors import safe_open
 import jaxspeed as js
 from jaxspeed.checkpoint import CheckpointError
 from jaxspeed.cli import main
-from jaxspeed.hf import export_hf, import_hf
+from jaxspeed.checkpoint.hf import export_hf, import_hf
 from jaxspeed.models import build_gpt
-from jaxspeed.params_checkpoint import read_record, restore_params, save_params, saved_shapes, start_from
-from jaxspeed.train_loop import train
+from jaxspeed.checkpoint.params import read_record, restore_params, save_params, saved_shapes, start_from
+from jaxspeed.train.loop import train
 from numerics import assert_close, gpt_rtol, program_rtol
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "llama"

@@ -8,14 +8,14 @@ import textwrap
 import pytest
 
 from jaxspeed.errors import JaxspeedError
-from jaxspeed.host_allocator import ENV, keep_freed_memory
+from jaxspeed.runtime.host_allocator import ENV, keep_freed_memory
 
 #: In a fresh process (the allocator settings are per process and cannot be undone): apply the
 #: setting, then free and re-allocate a 64 MiB block ten times, touching every page each time;
 #: print the minor page faults of the last nine rounds and the setting's own description.
 _PROBE = textwrap.dedent("""
     import ctypes, resource, sys
-    from jaxspeed.host_allocator import keep_freed_memory
+    from jaxspeed.runtime.host_allocator import keep_freed_memory
     said = keep_freed_memory()
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxspeed.cli import main
-from jaxspeed.launch import child_env, last_error_line, launch
+from jaxspeed.runtime.launch import child_env, last_error_line, launch
 from numerics import gpt_rtol
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def test_dying_rank_stops_the_others(tmp_path, env, capsys):
             time.sleep(1)
             print("RuntimeError: rank one broke", file=sys.stderr)
             sys.exit(3)
-        from jaxspeed.distributed import initialize
+        from jaxspeed.runtime.distributed import initialize
         open(waiting, "w").close()
         initialize()  # waits for rank 1, which never comes
         print("rank 0 got past initialize", flush=True)
@@ -122,7 +122,7 @@ def test_rank_killed_after_initialize(tmp_path, env):
     """A rank killed mid-run (after the start-up barrier) ends the run, named, in bounded time."""
     child = script(tmp_path, "kill9.py", """
         import os, signal, time
-        from jaxspeed.distributed import initialize
+        from jaxspeed.runtime.distributed import initialize
         initialize()
         import jax
         import jax.numpy as jnp
@@ -152,7 +152,7 @@ def test_start_up_barrier_times_out(tmp_path, env):
         import os, time
         if os.environ["JAXSPEED_PROCESS_ID"] == "1":
             time.sleep(600)  # never reaches jax.distributed.initialize
-        from jaxspeed.distributed import initialize
+        from jaxspeed.runtime.distributed import initialize
         initialize()
     """)
     out, err = io.StringIO(), io.StringIO()

@@ -1,4 +1,4 @@
-"""jaxspeed.matmul: bf16 einsums widened to fp32 on CPUs without bf16 units give the plain
+"""jaxspeed.ops.matmul: bf16 einsums widened to fp32 on CPUs without bf16 units give the plain
 einsum's result, in its dtype, with the same residuals under every remat policy."""
 
 import contextlib
@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspeed import matmul
+from jaxspeed.ops import matmul
 from jaxspeed.errors import JaxspeedError
-from jaxspeed.losses import lm_loss
+from jaxspeed.ops.losses import lm_loss
 from jaxspeed.models import GPT
-from jaxspeed.remat import checkpoint_policy
+from jaxspeed.ops.remat import checkpoint_policy
 from numerics import assert_close, mixed_rtol
 
 AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: avx avx2\n"

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 import jaxspeed as js
-from jaxspeed.memory import (
+from jaxspeed.cost.memory import (
     HOST_NOTE, SOURCES, STREAM_NOTE, host_bytes, memory_report, sharded_bytes,
 )
-from jaxspeed.plan_report import format_memory
+from jaxspeed.cost.report import format_memory
 from test_benchmarks import ROOT, load_benchmark
 
 TINY = [

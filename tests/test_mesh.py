@@ -2,7 +2,7 @@ import jax
 import pytest
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.mesh import AXES, data_parallel_size, make_mesh, resolve_axis_sizes
+from jaxspeed.runtime.mesh import AXES, data_parallel_size, make_mesh, resolve_axis_sizes
 
 
 def test_fill_minus_one():

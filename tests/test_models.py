@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspeed.losses import lm_loss
+from jaxspeed.ops.losses import lm_loss
 from jaxspeed.models import GPT, build_gpt
 from jaxspeed.models.gpt import count_params, swiglu
 from numerics import assert_close, gpt_rtol, mixed_rtol, sum_rtol

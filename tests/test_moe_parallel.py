@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.mesh import make_mesh
+from jaxspeed.runtime.mesh import make_mesh
 from jaxspeed.moe.layer import AUX_LOSS, METRICS, MoE
 from jaxspeed.sharding.planner import plan_sharding
 from numerics import assert_close, program_rtol

@@ -11,9 +11,9 @@ import pytest
 import jaxspeed as js
 from jaxspeed.data import TokenDataset
 from jaxspeed.errors import ConfigError
-from jaxspeed.memory import HOST_NOTE, STREAM_NOTE, host_bytes
+from jaxspeed.cost.memory import HOST_NOTE, STREAM_NOTE, host_bytes
 from jaxspeed.models import build_gpt
-from jaxspeed.offload import memory_kinds
+from jaxspeed.ops.offload import memory_kinds
 from numerics import assert_adam_params_close, gpt_rtol
 
 TINY = [

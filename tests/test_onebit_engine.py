@@ -156,7 +156,7 @@ def test_converges_like_adam():
 
 def test_each_worker_draws_its_own_randomness(monkeypatch):
     """Gate noise and dropout differ between workers: each folds its index into the key."""
-    from jaxspeed import onebit_step
+    from jaxspeed.train import onebit_step
 
     real = onebit_step._loss_and_grads
 

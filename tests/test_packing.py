@@ -9,7 +9,7 @@ import pytest
 
 import jaxspeed as js
 from jaxspeed.errors import ConfigError
-from jaxspeed.losses import lm_loss
+from jaxspeed.ops.losses import lm_loss
 from jaxspeed.models import GPT
 from numerics import assert_close, gpt_rtol
 

@@ -10,9 +10,9 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxspeed.checkpoint import CheckpointError
-from jaxspeed.hf.weights import _READ, _copy_into
-from jaxspeed.mesh import make_mesh
-from jaxspeed.params_checkpoint import (
+from jaxspeed.checkpoint.hf.weights import _READ, _copy_into
+from jaxspeed.runtime.mesh import make_mesh
+from jaxspeed.checkpoint.params import (
     ARRAYS, RECORD, open_params, read_record, restore_params, save_params, saved_shapes, write_params,
 )
 

@@ -9,7 +9,7 @@ import pytest
 import jaxspeed as js
 from jaxspeed.data import TokenDataset
 from jaxspeed.errors import ConfigError
-from jaxspeed.mesh import AXES
+from jaxspeed.runtime.mesh import AXES
 from numerics import assert_adam_params_close, gpt_rtol
 
 TINY = [

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.losses import lm_loss
-from jaxspeed.mesh import make_mesh
+from jaxspeed.ops.losses import lm_loss
+from jaxspeed.runtime.mesh import make_mesh
 from jaxspeed.config import MeshConfig
 from jaxspeed.models import GPT
 from jaxspeed.pipeline.model import layer_slots, pipelined_lm_objective, stage_params

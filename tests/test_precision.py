@@ -1,4 +1,4 @@
-"""Tests for jaxspeed.precision: dtype policy and DeepSpeed's dynamic loss scaling."""
+"""Tests for jaxspeed.ops.precision: dtype policy and DeepSpeed's dynamic loss scaling."""
 
 import functools
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.precision import (
+from jaxspeed.ops.precision import (
     LossScaleState,
     all_finite,
     cast_floating,

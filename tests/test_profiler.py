@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxspeed as js
 from jaxspeed.models.gpt import count_params
-from jaxspeed.profiler import (
+from jaxspeed.cost.profiler import (
     Collective, Dot, collective_bytes, collectives, dots, jaxpr_flops, memory_traffic, mfu, peak_flops,
     roofline_seconds,
 )

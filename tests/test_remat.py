@@ -10,9 +10,9 @@ import pytest
 
 import jaxspeed as js
 from jaxspeed.errors import ConfigError
-from jaxspeed.losses import lm_loss
+from jaxspeed.ops.losses import lm_loss
 from jaxspeed.models import GPT
-from jaxspeed.remat import POLICIES
+from jaxspeed.ops.remat import POLICIES
 from numerics import gpt_rtol
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=2, d_ff=64, max_seq_len=32)

@@ -1,4 +1,4 @@
-"""`jaxspeed.hf.safetensors_direct` writes the bytes `safetensors.numpy.save_file` writes."""
+"""`jaxspeed.checkpoint.hf.safetensors_direct` writes the bytes `safetensors.numpy.save_file` writes."""
 
 import os
 import tempfile
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from jaxspeed.hf import files as hf_files
-from jaxspeed import direct_io
-from jaxspeed.hf import safetensors_direct
-from jaxspeed.direct_io import LazyArray
-from jaxspeed.hf.safetensors_direct import write_file
+from jaxspeed.checkpoint.hf import files as hf_files
+from jaxspeed.checkpoint import direct_io
+from jaxspeed.checkpoint.hf import safetensors_direct
+from jaxspeed.checkpoint.direct_io import LazyArray
+from jaxspeed.checkpoint.hf.safetensors_direct import write_file
 
 
 def _tensors(dtype, seed: int = 0) -> dict[str, np.ndarray]:

@@ -10,7 +10,7 @@ import pytest
 import jaxspeed as js
 from jaxspeed.errors import ConfigError
 from jaxspeed.models import GPT
-from jaxspeed.sampling import Codec, choose, generate, sample_from_engine, sample_text
+from jaxspeed.models.sampling import Codec, choose, generate, sample_from_engine, sample_text
 
 PROMPT_LEN, NEW = 5, 11
 
@@ -92,7 +92,7 @@ def test_cli_samples_a_train_checkpoint(tmp_path, capsys):
 
 
 def test_train_prints_a_sample_every_n_steps(tmp_path, capsys):
-    from jaxspeed.train_loop import train
+    from jaxspeed.train.loop import train
 
     cfg = js.load_config(None, overrides=[
         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",

@@ -21,8 +21,8 @@ from jaxspeed.attention.sequence_parallel import (
 from jaxspeed.cli import main
 from jaxspeed.data import TokenDataset
 from jaxspeed.errors import ConfigError
-from jaxspeed.export import export_params
-from jaxspeed.mesh import make_mesh
+from jaxspeed.checkpoint.export import export_params
+from jaxspeed.runtime.mesh import make_mesh
 from numerics import assert_adam_params_close, assert_close, gpt_rtol, mixed_rtol
 from test_blocked_attention import attention_rtol, dense_attention, qkv_do
 from test_engine import reference_from

@@ -4,7 +4,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.mesh import make_mesh
+from jaxspeed.runtime.mesh import make_mesh
 from jaxspeed.sharding import logical_to_spec, plan_sharding, zero_spec
 
 MESH_SHAPE = {"pipe": 1, "data": 4, "expert": 1, "tensor": 2}

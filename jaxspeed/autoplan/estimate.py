@@ -40,7 +40,7 @@ from typing import Any
 from jaxspeed.autoplan import comm
 from jaxspeed.autoplan.space import ON_HOST, Candidate
 from jaxspeed.config import Config
-from jaxspeed.precision import compute_dtype
+from jaxspeed.ops.precision import compute_dtype
 
 #: Activation bytes a layer keeps per token, in units of d_model x compute-dtype bytes, by
 #: remat policy (the rest is recomputed in the backward pass). `none` keeps every

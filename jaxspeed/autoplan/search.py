@@ -37,9 +37,9 @@ from jaxspeed.autoplan.estimate import Estimate, estimate
 from jaxspeed.autoplan.space import OFFLOAD, ON_HOST, Candidate, candidates
 from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError, JaxspeedError
-from jaxspeed.memory import COMPILED_GPU
-from jaxspeed.precision import compute_dtype
-from jaxspeed.profiler import collectives, roofline_seconds
+from jaxspeed.cost.memory import COMPILED_GPU
+from jaxspeed.ops.precision import compute_dtype
+from jaxspeed.cost.profiler import collectives, roofline_seconds
 
 
 @dataclasses.dataclass
@@ -109,8 +109,8 @@ def _unsharded_by_proxy(report: dict[str, Any], plan: Candidate, sizes: dict[str
 def compiled_cost(config: Config, plan: Candidate, cluster: Any, devices: Sequence[jax.Device]) -> Ranked | None:
     """The plan's cost read from its compiled step (on a proxy mesh when the cluster is larger
     than `devices`); None when it cannot be emulated here."""
-    from jaxspeed.engine import initialize
-    from jaxspeed.mesh import make_mesh
+    from jaxspeed.train.engine import initialize
+    from jaxspeed.runtime.mesh import make_mesh
 
     built = proxy_plan(config, plan, len(devices))
     if built is None:

@@ -23,9 +23,9 @@ from collections.abc import Iterator
 
 from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError
-from jaxspeed.mesh import AXES
+from jaxspeed.runtime.mesh import AXES
 
-#: Remat policies searched (`jaxspeed.remat`), least device memory last; `offload_dots` keeps
+#: Remat policies searched (`jaxspeed.ops.remat`), least device memory last; `offload_dots` keeps
 #: the projections' outputs in host memory.
 REMAT = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots", "full")
 SCHEDULES = ("1f1b", "interleaved", "gpipe")

@@ -391,7 +391,7 @@ class HardwareConfig(_Section):
     """Facts about the accelerator; `device_memory` is kept as given (see `parse_bytes`).
 
     `peak_tflops` is one device's peak (dense, compute dtype) for MFU; default: a table of
-    known accelerators (`jaxspeed.profiler.PEAK_FLOPS`).
+    known accelerators (`jaxspeed.cost.profiler.PEAK_FLOPS`).
     """
 
     device_memory: str | int | None = None

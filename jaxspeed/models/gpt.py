@@ -25,7 +25,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType
 
-from jaxspeed import matmul, offload
+from jaxspeed.ops import matmul
+from jaxspeed.ops import offload
 from jaxspeed.attention.block_sparse import IMPLS as SPARSE_IMPLS
 from jaxspeed.attention.block_sparse import block_sparse_attention
 from jaxspeed.attention.blocked import blocked_attention
@@ -38,10 +39,10 @@ from jaxspeed.attention.sequence_parallel import (
 )
 from jaxspeed.attention.sparsity import SparsityConfig, sparsity_config_from_dict
 from jaxspeed.errors import ConfigError, did_you_mean
-from jaxspeed.losses import AUX_LOSS
+from jaxspeed.ops.losses import AUX_LOSS
 from jaxspeed.moe.layer import GATING_RNG, MoE
 from jaxspeed.moe.layer import METRICS as MOE_METRICS
-from jaxspeed.remat import POLICIES, checkpoint_policy
+from jaxspeed.ops.remat import POLICIES, checkpoint_policy
 from pallas_kernels._backend import on_gpu
 
 Array = jax.Array
@@ -542,7 +543,7 @@ class GPT(nn.Module):
     """Decoder-only transformer language model.
 
     Attributes mirror the config's `model:` keys; `remat_policy` is one of
-    `jaxspeed.remat.POLICIES`, applied to the scanned block; `remat_names` are the
+    `jaxspeed.ops.remat.POLICIES`, applied to the scanned block; `remat_names` are the
     `CHECKPOINT_NAMES` tags it saves with policy "names". `sparse_attention` (a
     `jaxspeed.attention` sparsity config) makes every layer's attention block-sparse, through
     `sparse_impl`; otherwise `attention_impl` (`ATTENTION_IMPLS`, see `attend`) with
@@ -589,7 +590,7 @@ class GPT(nn.Module):
     dtype: Dtype | None = None
     stream_layers: Dtype | None = None
     #: autoregressive decoding with a key/value cache of `max_seq_len` positions (the
-    #: `cache` collection; see `jaxspeed.sampling`)
+    #: `cache` collection; see `jaxspeed.models.sampling`)
     decode: bool = False
 
     def __post_init__(self) -> None:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.losses import AUX_LOSS  # one already-scaled scalar per MoE call, under "moe"
+from jaxspeed.ops.losses import AUX_LOSS  # one already-scaled scalar per MoE call, under "moe"
 from jaxspeed.moe.experts import ACTIVATIONS, ExpertParams, expert_ffn
 from jaxspeed.moe.gating import NOISY_GATE_POLICIES
 from jaxspeed.moe.parallel import GatingOptions, moe_ffn

@@ -34,7 +34,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.mesh import DATA
+from jaxspeed.runtime.mesh import DATA
 from jaxspeed.moe.dispatch import combine, dispatch
 from jaxspeed.moe.experts import (
     ExpertParams,

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.mesh import DATA_PARALLEL_AXES
+from jaxspeed.runtime.mesh import DATA_PARALLEL_AXES
 from jaxspeed.pipeline.schedules import check_schedule_args
 from jaxspeed.pipeline.spmd import spmd_pipeline
 
@@ -102,7 +102,7 @@ def pipelined_lm_objective(
 
     Args:
       model: a `jaxspeed.models.GPT` (anything with its `embed` / `layer_stack` / `logits`).
-      loss_fn: `(logits, batch) -> scalar`, e.g. `jaxspeed.losses.lm_loss`.
+      loss_fn: `(logits, batch) -> scalar`, e.g. `jaxspeed.ops.losses.lm_loss`.
       mesh: the mesh; its `pipe` axis holds the stages.
       num_microbatches: M.
       schedule: "gpipe", "1f1b" or "interleaved".

@@ -11,8 +11,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.mesh import DATA_PARALLEL_AXES, SEQUENCE
-from jaxspeed.offload import DEVICE, HOST
+from jaxspeed.runtime.mesh import DATA_PARALLEL_AXES, SEQUENCE
+from jaxspeed.ops.offload import DEVICE, HOST
 from jaxspeed.sharding.rules import ACTIVATION_ONLY_AXES, DEFAULT_RULES, Rules, logical_to_spec
 from jaxspeed.sharding.zero import zero_spec
 from jaxspeed.tree_paths import key_names

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.mesh import DATA, EXPERT, PIPE, SEQUENCE, TENSOR
+from jaxspeed.runtime.mesh import DATA, EXPERT, PIPE, SEQUENCE, TENSOR
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Sequence[tuple[str, MeshAxes]]

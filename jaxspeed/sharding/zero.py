@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.mesh import ZERO_AXES
+from jaxspeed.runtime.mesh import ZERO_AXES
 from jaxspeed.sharding.rules import as_tuple, spec_entry
 
 #: Logical dimensions never chosen for ZeRO: scanned layers are sliced one at a time, so

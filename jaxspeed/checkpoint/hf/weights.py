@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxspeed.checkpoint import CheckpointError
-from jaxspeed.direct_io import LazyArray
+from jaxspeed.checkpoint.state import CheckpointError
+from jaxspeed.checkpoint.direct_io import LazyArray
 
 #: Per-layer tensors: HF name suffix -> (params path under `layers`, kind of mapping).
 _LAYER = {
@@ -146,12 +146,12 @@ def param_shapes(model: Mapping[str, Any], dtype) -> dict[str, Any]:
 def param_blocks(
     read: Callable[[str], Any], model: Mapping[str, Any], *, dtype, source: str
 ) -> dict[str, list]:
-    """The GPT's params from HF tensors, as `jaxspeed.params_checkpoint.write_params` blocks.
+    """The GPT's params from HF tensors, as `jaxspeed.checkpoint.params.write_params` blocks.
 
     Args:
-      read: HF tensor name -> array or lazy `jaxspeed.hf.files.Tensor` (called once per
+      read: HF tensor name -> array or lazy `jaxspeed.checkpoint.hf.files.Tensor` (called once per
         tensor, when its block is written).
-      model: the `model:` keys (`jaxspeed.hf.config.MODEL_KEYS`).
+      model: the `model:` keys (`jaxspeed.checkpoint.hf.config.MODEL_KEYS`).
       dtype: the params' dtype (each tensor is cast to it).
       source: named in errors (the folder).
 
@@ -197,7 +197,7 @@ def hf_tensors(params: Mapping[str, Any], model: Mapping[str, Any], *, dtype=Non
 
     Values are `LazyArray`s (the transposed ones, and any cast), or the param itself where
     a tensor is a plain copy in the same dtype. A leaf of `params` only needs indexing, so a
-    params checkpoint's memory-mapped arrays (`jaxspeed.params_checkpoint.open_params`) are
+    params checkpoint's memory-mapped arrays (`jaxspeed.checkpoint.params.open_params`) are
     read as they are converted.
     """
     shapes = hf_shapes(model)

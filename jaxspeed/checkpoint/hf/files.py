@@ -5,7 +5,7 @@ A folder holds either one `model.safetensors` or shards listed by
 written as transformers writes it (sorted keys, indent 2, a final newline). Safetensors files
 are read through the `safetensors` package, and written as it writes them (tensors ordered by
 dtype and name: the same tensors with the same metadata give the same bytes): straight to disk
-by `jaxspeed.hf.safetensors_direct` where a file has one dtype, else by the package itself.
+by `jaxspeed.checkpoint.hf.safetensors_direct` where a file has one dtype, else by the package itself.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from jaxspeed.checkpoint import CheckpointError
-from jaxspeed.direct_io import LazyArray
-from jaxspeed.hf import safetensors_direct
+from jaxspeed.checkpoint.state import CheckpointError
+from jaxspeed.checkpoint.direct_io import LazyArray
+from jaxspeed.checkpoint.hf import safetensors_direct
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"

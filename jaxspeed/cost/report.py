@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxspeed.memory import COMPILED
-from jaxspeed.profiler import COLLECTIVES
+from jaxspeed.cost.memory import COMPILED
+from jaxspeed.cost.profiler import COLLECTIVES
 from jaxspeed.sharding.explain import format_bytes
 
 
@@ -13,7 +13,7 @@ def _fmt(value) -> str:
     return "" if value is None else format_bytes(value)
 
 
-#: Labels of the `device_model` rows (`jaxspeed.memory`), indented under the device row.
+#: Labels of the `device_model` rows (`jaxspeed.cost.memory`), indented under the device row.
 DEVICE_MODEL_ROWS = {
     "compiled_total": "    = total",
     "host_state": "    - host-resident state",

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.offload import DEVICE, HOST
+from jaxspeed.ops.offload import DEVICE, HOST
 
 POLICIES = (
     "none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots", "names"

@@ -16,28 +16,28 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed import precision
-from jaxspeed.adapters import ModelFns, model_fns, token_features
+from jaxspeed.ops import precision
+from jaxspeed.train.adapters import ModelFns, model_fns, token_features
 from jaxspeed.attention.sequence_parallel import check_length
-from jaxspeed.checkpoint import Checkpointer
+from jaxspeed.checkpoint.state import Checkpointer
 from jaxspeed.config import Config, load_config, resolve_batch
-from jaxspeed.data import make_global_batch
+from jaxspeed.data.dataset import make_global_batch
 from jaxspeed.errors import ConfigError
-from jaxspeed.host_allocator import keep_freed_memory
-from jaxspeed.losses import lm_loss
-from jaxspeed.mesh import DATA_PARALLEL_AXES, PIPE, SEQUENCE, TENSOR, data_parallel_size, make_mesh
+from jaxspeed.runtime.host_allocator import keep_freed_memory
+from jaxspeed.ops.losses import lm_loss
+from jaxspeed.runtime.mesh import DATA_PARALLEL_AXES, PIPE, SEQUENCE, TENSOR, data_parallel_size, make_mesh
 from jaxspeed.optim import build_optimizer
 from jaxspeed.sharding import Plan, plan_sharding
 from jaxspeed.sharding.planner import LeafPlan
 from jaxspeed.sharding.rules import DEFAULT_RULES
-from jaxspeed.offload import DEVICE, HOST, with_memory_kind
-from jaxspeed.onebit_step import check_onebit_config, onebit_train_step
-from jaxspeed.onebit_step import state_specs as onebit_state_specs
+from jaxspeed.ops.offload import DEVICE, HOST, with_memory_kind
+from jaxspeed.train.onebit_step import check_onebit_config, onebit_train_step
+from jaxspeed.train.onebit_step import state_specs as onebit_state_specs
 from jaxspeed.optim.factory import onebit_freeze_step
 from jaxspeed.optim.onebit import COMPRESSED, WARMUP
 from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
 from jaxspeed.pipeline.model import pipelined_lm_objective
-from jaxspeed.train_step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
+from jaxspeed.train.step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
 
 
 class Engine:
@@ -228,7 +228,7 @@ class Engine:
     def init(self, rng: jax.Array, *, params=None) -> TrainState:
         """Creates the train state directly in its planned shardings (params never gathered).
 
-        `params`: start from these (e.g. `jaxspeed.params_checkpoint.start_from`'s, already in
+        `params`: start from these (e.g. `jaxspeed.checkpoint.params.start_from`'s, already in
         `plan.params`) with a fresh optimizer state, instead of initialising them.
         """
         params = self.fns.initial_params if params is None else params
@@ -276,7 +276,7 @@ class Engine:
 
     def step_flops(self) -> int:
         """Global matmul FLOPs of one train step (loops counted; see `profiler.jaxpr_flops`)."""
-        from jaxspeed.profiler import jaxpr_flops
+        from jaxspeed.cost.profiler import jaxpr_flops
 
         with self._context():
             step = self._train[self._phase(None)]
@@ -284,7 +284,7 @@ class Engine:
 
     def profile(self) -> dict[str, Any]:
         """FLOPs, the device's peak, and collective bytes per device of the compiled step."""
-        from jaxspeed.profiler import step_profile
+        from jaxspeed.cost.profiler import step_profile
 
         device = self.mesh.devices.flat[0]
         return step_profile(
@@ -323,7 +323,7 @@ class Engine:
 
     def memory_report(self) -> dict[str, Any]:
         """Per-device bytes by category, estimated from shardings and read from the compiled step."""
-        from jaxspeed.memory import memory_report
+        from jaxspeed.cost.memory import memory_report
 
         return memory_report(self)
 

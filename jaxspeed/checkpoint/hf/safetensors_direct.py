@@ -2,10 +2,10 @@
 
 `safetensors.numpy.save_file` writes through the page cache, from tensors that must all be in
 memory at once. Both cost fresh memory pages: the export's converted tensors and the cache's
-copy of the file, which on these VMs cost more than the copy itself (`jaxspeed.direct_io`).
+copy of the file, which on these VMs cost more than the copy itself (`jaxspeed.checkpoint.direct_io`).
 
 `write_file` produces the bytes `safetensors.numpy.save_file` does, through
-`jaxspeed.direct_io.writer`: tensors may be lazy (`LazyArray`), converted a few at a time, on
+`jaxspeed.checkpoint.direct_io.writer`: tensors may be lazy (`LazyArray`), converted a few at a time, on
 every core, into reused scratch arrays, and the file is durable when `write_file` returns.
 
 It writes the files the export produces: one dtype per file, at most one metadata key
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspeed import direct_io
-from jaxspeed.direct_io import LazyArray
+from jaxspeed.checkpoint import direct_io
+from jaxspeed.checkpoint.direct_io import LazyArray
 
 #: safetensors' dtype names, by numpy dtype name.
 _DTYPE_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",

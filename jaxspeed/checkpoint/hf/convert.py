@@ -1,6 +1,6 @@
 """`jaxspeed import-hf` and `jaxspeed export --format hf`: Llama folders in and out.
 
-An import writes a params checkpoint (`jaxspeed.params_checkpoint`) that `train` starts from
+An import writes a params checkpoint (`jaxspeed.checkpoint.params`) that `train` starts from
 with `checkpoint.load_from`, and records the folder's config and file layout; an export of
 that checkpoint writes the same layout back, so an import followed by an export gives the
 same `config.json`, safetensors files and index, byte for byte.
@@ -15,11 +15,11 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxspeed import params_checkpoint
-from jaxspeed.checkpoint import CheckpointError
-from jaxspeed.hf import files as hf_files
-from jaxspeed.hf.config import check_exportable, hf_from_model, model_from_hf
-from jaxspeed.hf.weights import check_names, hf_tensors, param_blocks, param_shapes
+from jaxspeed.checkpoint import params as params_checkpoint
+from jaxspeed.checkpoint.state import CheckpointError
+from jaxspeed.checkpoint.hf import files as hf_files
+from jaxspeed.checkpoint.hf.config import check_exportable, hf_from_model, model_from_hf
+from jaxspeed.checkpoint.hf.weights import check_names, hf_tensors, param_blocks, param_shapes
 
 #: `--dtype` choices.
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -82,7 +82,7 @@ def _open_checkpoint(directory: Path, step: int | None) -> tuple[Any, dict[str, 
         record = params_checkpoint.read_record(directory)
         check_exportable(record["model"])
         return params_checkpoint.open_params(directory), record["model"], record.get("hf")
-    from jaxspeed.export import load_trained
+    from jaxspeed.checkpoint.export import load_trained
 
     engine, state = load_trained(directory, step=step, devices=jax.devices()[:1])
     model = engine.config.to_dict()["model"]

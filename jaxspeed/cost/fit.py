@@ -203,7 +203,7 @@ def compiled_device_bytes(config: Config, *, mesh=None) -> int:
 
 
 def _memory_report(config: Config, mesh) -> dict[str, Any]:
-    from jaxspeed.engine import initialize
+    from jaxspeed.train.engine import initialize
 
     return initialize(config, mesh=mesh).memory_report()
 

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed import precision
+from jaxspeed.ops import precision
 from jaxspeed.errors import ConfigError
 from jaxspeed.optim.onebit import PHASE_ARG, onebit_state_specs
-from jaxspeed.train_step import StepSpec, TrainState, _loss_and_grads
+from jaxspeed.train.step import StepSpec, TrainState, _loss_and_grads
 
 
 def check_onebit_config(config) -> None:

@@ -1,7 +1,7 @@
 """`jaxspeed launch`: N processes of one command on this machine, wired for `jax.distributed`.
 
 Each child gets the coordinator address (127.0.0.1 and a free port), the process count and its
-rank in `JAXSPEED_*` environment variables, which `jaxspeed.distributed.initialize()` reads.
+rank in `JAXSPEED_*` environment variables, which `jaxspeed.runtime.distributed.initialize()` reads.
 With `cpu_devices=K`, each child runs on the CPU platform with K emulated devices and gloo
 collectives, so N processes form one mesh of N*K devices.
 
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from jaxspeed.distributed import (
+from jaxspeed.runtime.distributed import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
     ENV_INIT_TIMEOUT,

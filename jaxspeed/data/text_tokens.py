@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxspeed.errors import ConfigError, JaxspeedError
-from jaxspeed.token_files import token_dtype, write_token_file
+from jaxspeed.data.token_files import token_dtype, write_token_file
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 #: EOS spellings looked up in a tokenizer's vocabulary, in this order.

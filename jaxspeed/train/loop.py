@@ -23,13 +23,13 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxspeed.config import Config
-from jaxspeed.data import TokenDataset
-from jaxspeed.engine import Engine, initialize
+from jaxspeed.data.dataset import TokenDataset
+from jaxspeed.train.engine import Engine, initialize
 from jaxspeed.errors import ConfigError, JaxspeedError
-from jaxspeed.fit import DoesNotFit, device_memory, engine_verdict
-from jaxspeed.grain_data import GrainTokenDataset, make_dataset
-from jaxspeed.metrics_log import MetricsLog
-from jaxspeed.profiler import mfu, peak_flops
+from jaxspeed.cost.fit import DoesNotFit, device_memory, engine_verdict
+from jaxspeed.data.grain_loader import GrainTokenDataset, make_dataset
+from jaxspeed.train.metrics_log import MetricsLog
+from jaxspeed.cost.profiler import mfu, peak_flops
 
 
 class TrainingInterrupted(JaxspeedError):
@@ -93,7 +93,7 @@ def _data_meta(batches, done: int) -> dict[str, Any]:
 
 def _sampler(engine: Engine):
     """`state -> text`: a greedy continuation of `logging.sample_prompt`."""
-    from jaxspeed.sampling import Codec, sample_text
+    from jaxspeed.models.sampling import Codec, sample_text
 
     config = engine.config
     codec = Codec(config.data.tokenizer)
@@ -212,7 +212,7 @@ def train(
         state = engine.restore(directory=ckpt.directory)
         saved_meta = ckpt.read_meta(int(jax.device_get(state.step)))
     elif config.checkpoint.load_from is not None:
-        from jaxspeed.params_checkpoint import start_from
+        from jaxspeed.checkpoint.params import start_from
 
         state = start_from(engine, config.checkpoint.load_from, jax.random.key(config.seed))
     else:

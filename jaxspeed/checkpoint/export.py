@@ -12,10 +12,10 @@ from pathlib import Path
 import jax
 from flax import serialization
 
-from jaxspeed.checkpoint import Checkpointer, CheckpointError
+from jaxspeed.checkpoint.state import Checkpointer, CheckpointError
 from jaxspeed.config import load_config
-from jaxspeed.engine import initialize
-from jaxspeed.mesh import make_mesh
+from jaxspeed.train.engine import initialize
+from jaxspeed.runtime.mesh import make_mesh
 
 #: The saved run's batch and mesh do not matter for reading params: one row per replica...
 _ONE_ROW = [

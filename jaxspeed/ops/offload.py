@@ -21,7 +21,7 @@ import jax
 from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
 
-from jaxspeed.precision import cast_floating
+from jaxspeed.ops.precision import cast_floating
 
 HOST = "pinned_host"
 DEVICE = "device"

@@ -134,7 +134,7 @@ class Codec:
     def __init__(self, tokenizer_path: str | None = None):
         self._tokenizer = None
         if tokenizer_path is not None:
-            from jaxspeed.text_tokens import load_tokenizer
+            from jaxspeed.data.text_tokens import load_tokenizer
 
             self._tokenizer = load_tokenizer(str(tokenizer_path))
 

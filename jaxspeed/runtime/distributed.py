@@ -2,7 +2,7 @@
 
 Both must run before JAX creates its backend (the first `jax.devices()` call).
 
-`jaxspeed launch` (see `jaxspeed.launch`) tells each process where it stands through
+`jaxspeed launch` (see `jaxspeed.runtime.launch`) tells each process where it stands through
 environment variables; `initialize()` reads them, and without them lets
 `jax.distributed.initialize` auto-detect the cluster (SLURM, Open MPI, Kubernetes, TPU pods).
 """

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxspeed import text_tokens
+from jaxspeed.data import text_tokens
 from jaxspeed.errors import ConfigError, JaxspeedError
-from jaxspeed.packing import make_example
-from jaxspeed.token_files import TokenRows, open_token_file
+from jaxspeed.data.packing import make_example
+from jaxspeed.data.token_files import TokenRows, open_token_file
 
 if TYPE_CHECKING:  # imported where used: byte-corpus runs never load Grain
     import grain
@@ -209,6 +209,6 @@ def make_dataset(config: Any, *, progress: bool = False):
         return GrainTokenDataset.from_config(
             config.data, seed=config.seed, model_vocab_size=config.model.vocab_size, progress=progress
         )
-    from jaxspeed.data import TokenDataset
+    from jaxspeed.data.dataset import TokenDataset
 
     return TokenDataset.from_config(config.data, seed=config.seed)

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxspeed import offload, precision
+from jaxspeed.ops import offload
+from jaxspeed.ops import precision
 
 
 class TrainState(flax.struct.PyTreeNode):

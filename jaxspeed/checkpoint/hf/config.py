@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxspeed.checkpoint import CheckpointError
+from jaxspeed.checkpoint.state import CheckpointError
 
 #: Keys of the `model:` section an imported checkpoint records (what the HF config sets).
 MODEL_KEYS = (

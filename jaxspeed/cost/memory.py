@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxspeed.offload import on_host
+from jaxspeed.ops.offload import on_host
 
 COMPILED, ARRAYS, MODEL = "compiled", "arrays", "model"
 #: The values of a report's `sources` and of each `device_model` row's `source`.

@@ -16,7 +16,7 @@ import flax.core
 from flax import nnx
 
 from jaxspeed.errors import JaxspeedError
-from jaxspeed.losses import AUX_LOSS, total_aux_loss
+from jaxspeed.ops.losses import AUX_LOSS, total_aux_loss
 from jaxspeed.tree_paths import key_names
 
 

@@ -33,8 +33,8 @@ import ml_dtypes  # noqa: F401 - registers bfloat16 and the float8 dtypes by nam
 import numpy as np
 from flax import traverse_util
 
-from jaxspeed import direct_io
-from jaxspeed.checkpoint import CheckpointError
+from jaxspeed.checkpoint import direct_io
+from jaxspeed.checkpoint.state import CheckpointError
 
 RECORD = "jaxspeed_params.json"
 ARRAYS = "params"
@@ -71,7 +71,7 @@ def write_params(
 ) -> Path:
     """Writes a params checkpoint, each array from its blocks, a few blocks in memory at a time.
 
-    Each `.npy` goes straight to disk (`jaxspeed.direct_io`): a converter never holds the
+    Each `.npy` goes straight to disk (`jaxspeed.checkpoint.direct_io`): a converter never holds the
     model, and never fills the page cache with it. The folder is written beside its final
     name and renamed when complete, so a failure never leaves a half-written checkpoint
     there. `directory` must not exist yet, or be empty.
@@ -81,7 +81,7 @@ def write_params(
       shapes: a tree (nested dicts) of `jax.ShapeDtypeStruct`, the params' shapes and dtypes.
       blocks: `.`-joined tree path -> its fills: one for the whole array, or one per index
         of its leading axis (a layer of the stacked layers), in order. A fill may be a
-        `jaxspeed.direct_io.LazyArray` of its block (one that can fill rows at a time).
+        `jaxspeed.checkpoint.direct_io.LazyArray` of its block (one that can fill rows at a time).
       model: the `model:` section that shapes them.
       extra: more keys for the record (where the params came from).
 
