@@ -3,7 +3,7 @@
 `throughput.py` holds a training step to the machine's matmul peak (a large square matmul). A
 step cannot reach it: its matmuls have the model's shapes, not the peak's, and everything
 else (norms, softmax, casts, collectives, the optimizer) takes time the matmuls do not use.
-`rate` separates the two. It reads every `dot` of the compiled step (`profiler.dots`: shapes
+`rate` separates the two. It reads every `dot` of the compiled step (`cost.hlo.dots`: shapes
 per device, dtypes, dimension numbers, executions per step) and times one program that runs
 exactly those dots, each as often as the step does, on every device of the step's mesh at
 once. Its FLOP/s is what the step would reach if it did nothing but its matmuls.
@@ -75,7 +75,7 @@ def rate(hlo_text: str, mesh, *, repeats: int = 5) -> dict:
       `{"gflops": aggregate GFLOP/s over all devices (at the best run), "flops_per_device":
       per step, "dots_per_device": dot executions per step, "seconds": the best run}`.
     """
-    from jaxspeed.cost.profiler import dots as find_dots
+    from jaxspeed.cost.hlo import dots as find_dots
 
     dots = find_dots(hlo_text)
     if not dots:

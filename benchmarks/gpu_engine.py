@@ -12,7 +12,7 @@ are measured in the same run:
      PaLM, Chowdhery et al. 2022, App. B) times steps per second. Baseline: the best bf16
      matmul rate this GPU reaches in the same run (square products, up to 16384).
      ratio = model FLOP/s / measured matmul FLOP/s: MFU against a peak this chip reaches.
-     `mfu_vs_spec` divides by the spec sheet's dense bf16 peak (`jaxspeed.cost.profiler.PEAK_FLOPS`,
+     `mfu_vs_spec` divides by the spec sheet's dense bf16 peak (`jaxspeed.cost.peaks.PEAK_FLOPS`,
      e.g. 989 TFLOP/s for an H100/H200 SXM; null for a chip not in the table), and
      `hfu_vs_measured` counts the recomputed forward too.
 The last line is the overhead headline. `--cpu-check` (or `--quick`) runs both cases at tiny
@@ -149,7 +149,7 @@ def throughput_case(case: dict, matmul: dict[int, float]) -> dict:
 
     import throughput
     from jaxspeed.train.engine import initialize
-    from jaxspeed.cost.profiler import peak_flops
+    from jaxspeed.cost.peaks import peak_flops
     from jaxspeed.train.loop import train
 
     config = throughput_config(case)

@@ -1,7 +1,7 @@
 """Collective bytes per step in the compiled HLO: Adam against 1-bit Adam after the freeze, data=8.
 
 Measured: every collective instruction of three compiled train steps, read from their optimized
-HLO by `jaxspeed.cost.profiler.collectives` (per device, per step): its kind, how many times a step
+HLO by `jaxspeed.cost.hlo.collectives` (per device, per step): its kind, how many times a step
 runs it, and its bytes in the profiler's convention, the size of the buffer it works on
 (all-reduce and all-to-all their operand, all-gather its gathered output). The steps:
 - Adam: the engine's step; XLA inserts the gradient all-reduce of the data-parallel mean;
@@ -40,11 +40,11 @@ WARMUP_FRACTION = 0.2
 STEPS = ("adam", "warmup", "compressed")
 SOURCES = {
     "ratio": "Adam's collective bytes ÷ compressed 1-bit Adam's, each summed over every "
-             "collective of its compiled step's HLO (jaxspeed.cost.profiler)",
-    "collective_bytes": "jaxspeed.cost.profiler.collective_bytes of each compiled step, by kind",
-    "collectives": "jaxspeed.cost.profiler.collectives of each compiled step, by kind: "
+             "collective of its compiled step's HLO (jaxspeed.cost.hlo)",
+    "collective_bytes": "jaxspeed.cost.hlo.collective_bytes of each compiled step, by kind",
+    "collectives": "jaxspeed.cost.hlo.collectives of each compiled step, by kind: "
                    "instructions run per step and their bytes",
-    "collective_ops": "jaxspeed.cost.profiler.collectives of each compiled step: every instruction, "
+    "collective_ops": "jaxspeed.cost.hlo.collectives of each compiled step: every instruction, "
                       "runs per step and bytes per step",
     "gradient_allreduce_ratio": "1-bit warm-up step's collective bytes ÷ compressed step's",
     "whole_run_ratio": "1 / (f·warm-up/Adam + (1−f)·compressed/Adam) of the measured bytes, "
@@ -69,7 +69,7 @@ def bench_config(optimizer: dict, model: dict):
 
 def step_collectives(compiled, num_devices: int) -> dict:
     """A compiled step's collectives: the profiler's totals by kind, by kind, and each op."""
-    from jaxspeed.cost.profiler import collective_bytes, collectives
+    from jaxspeed.cost.hlo import collective_bytes, collectives
 
     text = compiled.as_text()
     ops = collectives(text, num_devices=num_devices)

@@ -1,5 +1,7 @@
 """jaxspeed: JAX/XLA-native parallel training; every parallelism is a sharding XLA compiles."""
 
+import importlib
+
 from jaxspeed import _moved
 
 _moved.install()
@@ -12,6 +14,14 @@ from jaxspeed.runtime import distributed  # noqa: E402
 from jaxspeed.runtime.mesh import make_mesh  # noqa: E402
 from jaxspeed.sharding import Plan, plan_sharding  # noqa: E402
 from jaxspeed.train import Engine, TrainState, initialize  # noqa: E402
+
+
+def __getattr__(name: str):
+    """`js.mesh`, `js.engine`, ...: a moved module under its old name, for one release."""
+    if f"jaxspeed.{name}" in _moved.MOVED:
+        return importlib.import_module(f"jaxspeed.{name}")
+    raise AttributeError(f"module 'jaxspeed' has no attribute {name!r}")
+
 
 __all__ = [
     "Config",

@@ -39,7 +39,7 @@ MOVED: dict[str, str] = {
     "jaxspeed.export": "jaxspeed.checkpoint.export",
     "jaxspeed.direct_io": "jaxspeed.checkpoint.direct_io",
     "jaxspeed.hf": "jaxspeed.checkpoint.hf",
-    "jaxspeed.profiler": "jaxspeed.cost.profiler",
+    "jaxspeed.profiler": "jaxspeed.cost",  # its names, from cost.hlo, .flops and .peaks
     "jaxspeed.memory": "jaxspeed.cost.memory",
     "jaxspeed.fit": "jaxspeed.cost.fit",
     "jaxspeed.plan_report": "jaxspeed.cost.report",

@@ -1,4 +1,5 @@
-"""Which device a call is compiled for: the one place jaxspeed and its kernels ask "a GPU?".
+"""Which device a call is compiled for: the one place jaxspeed and its kernels ask "a GPU?"
+or "a CPU?".
 
 `jax.default_backend()` names the machine JAX runs on, not the program being traced: a step
 compiled for an H100 on a machine without one (`jaxspeed.gpu.deviceless`) runs its trace on a
@@ -50,6 +51,12 @@ def is_gpu(device=None) -> bool:
     """Whether `device` (default: the target of the current trace) is a GPU."""
     device = target_device() if device is None else device
     return device.platform in GPU_BACKENDS
+
+
+def is_cpu(device=None) -> bool:
+    """Whether `device` (default: the target of the current trace) is a CPU."""
+    device = target_device() if device is None else device
+    return device.platform == "cpu"
 
 
 def compute_capability(device=None) -> tuple[int, int] | None:

@@ -14,7 +14,7 @@ from jaxspeed.autoplan.comm import (
     collective_seconds, collective_time, group_axes, hosts_spanned, step_comm_seconds,
 )
 from jaxspeed.runtime.mesh import AXES, make_mesh
-from jaxspeed.cost.profiler import Collective, collectives
+from jaxspeed.cost.hlo import Collective, collectives
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ from test_benchmarks import check_result, load_benchmark, run_quick
 
 import jaxspeed as js
 from jaxspeed.models.gpt import count_params
-from jaxspeed.cost.profiler import COLLECTIVES, collective_bytes
+from jaxspeed.cost.hlo import COLLECTIVES, collective_bytes
 
 STEPS = ("adam", "warmup", "compressed")
 

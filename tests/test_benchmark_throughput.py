@@ -197,7 +197,7 @@ def test_the_dots_alone_program_runs_each_dot_of_the_step_as_often():
     import jax
     from jax.sharding import AxisType
 
-    from jaxspeed.cost.profiler import Dot, dots
+    from jaxspeed.cost.hlo import Dot, dots
 
     replay = load_benchmark("_step_dots")
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)

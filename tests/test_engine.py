@@ -245,7 +245,7 @@ def test_stage3_within_the_live_budget_gathers_once_per_step(engine_runs, mesh_n
     """Under `max_live_parameters` the step gathers every param once (bf16 would halve the
     bytes; here fp32); layer by layer it gathers in the forward scan and again in the backward
     scan, once per layer each time."""
-    from jaxspeed.cost.profiler import collectives
+    from jaxspeed.cost.hlo import collectives
 
     def gathers(stage):
         engine = engine_runs[mesh_name, stage][0]

@@ -34,3 +34,15 @@ def test_new_modules_are_not_aliased():
     assert _moved.new_name("jaxspeed.train.engine") is None
     assert _moved.new_name("jaxspeed.data") is None  # a package now, with the same names
     assert _moved.new_name("jaxspeed.enginex") is None
+
+
+def test_old_module_attributes_of_the_package_resolve():
+    import jaxspeed as js
+    import jaxspeed.runtime.mesh
+
+    with pytest.warns(DeprecationWarning, match="jaxspeed.mesh moved to jaxspeed.runtime.mesh"):
+        sys.modules.pop("jaxspeed.mesh", None)
+        vars(js).pop("mesh", None)
+        assert js.mesh is jaxspeed.runtime.mesh
+    with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
+        js.nonesuch

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxspeed as js
+from jaxspeed.cost.hlo import collective_bytes
 from jaxspeed.data import TokenDataset
 from jaxspeed.errors import ConfigError
 from jaxspeed.models.gpt import count_params
@@ -53,7 +54,7 @@ def test_after_the_freeze_only_compressed_bytes_move():
     engine = js.initialize(config(*ONEBIT, "optimizer.params={lr: 0.01, freeze_step: 2}"))
     grad_bytes = 4 * count_params(engine.abstract_state().params)
     warmup = engine.profile()["collective_bytes"]
-    compressed = js.profiler.collective_bytes(
+    compressed = collective_bytes(
         engine.compile_train_step(step=2).as_text(), num_devices=8
     )
     assert grad_bytes <= warmup["all-reduce"] <= grad_bytes + 64

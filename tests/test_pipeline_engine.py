@@ -110,7 +110,7 @@ def test_bad_pipeline_setups_are_clear_errors(overrides, match):
 
 
 def test_a_mesh_that_disagrees_with_mesh_pipe_is_a_clear_error():
-    mesh = js.mesh.make_mesh(js.config.MeshConfig(pipe=2, data=4))
+    mesh = js.make_mesh(js.config.MeshConfig(pipe=2, data=4))
     with pytest.raises(ConfigError, match="pipe=2 but the config has mesh.pipe=1"):
         js.initialize(config("mesh.data=8"), mesh=mesh)
 

@@ -8,10 +8,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxspeed as js
 from jaxspeed.models.gpt import count_params
-from jaxspeed.cost.profiler import (
-    Collective, Dot, collective_bytes, collectives, dots, jaxpr_flops, memory_traffic, mfu, peak_flops,
-    roofline_seconds,
-)
+from jaxspeed.cost.flops import jaxpr_flops, memory_traffic, roofline_seconds
+from jaxspeed.cost.hlo import Collective, Dot, collective_bytes, collectives, dots
+from jaxspeed.cost.peaks import mfu, peak_flops
 
 
 def test_each_collective_kind_matches_a_hand_count():

@@ -19,7 +19,7 @@ from pydantic import BeforeValidator, Field, ValidationError
 
 from jaxspeed.config.loading import _read_file
 from jaxspeed.config.schema import _Section
-from jaxspeed.config.sizes import parse_bytes
+from jaxspeed.config.units import parse_bytes
 from jaxspeed.errors import ConfigError, did_you_mean
 
 #: Folder of the preset clusters, found as `jaxspeed.cli` finds `benchmarks/`.

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from jaxspeed.runtime.mesh import AXES
-from jaxspeed.cost.profiler import COLLECTIVES, Collective
+from jaxspeed.cost.hlo import COLLECTIVES, Collective
 
 
 class LinkSpeed(Protocol):
@@ -106,7 +106,7 @@ def collective_seconds(kind: str, nbytes: float, group_size: int, link: LinkSpee
     """Seconds of one collective over `group_size` devices on one kind of link (module formulas).
 
     Args:
-      kind: one of `jaxspeed.cost.profiler.COLLECTIVES`.
+      kind: one of `jaxspeed.cost.hlo.COLLECTIVES`.
       nbytes: per-device bytes in the profiler's full-buffer convention.
       group_size: devices in the group; 1 costs nothing.
       link: anything with `bandwidth_gbps` (GB/s per device) and `latency_us`.
@@ -182,7 +182,7 @@ def collective_time(
                       crosses a host boundary somewhere and the slowest pair bounds the step)
 
     Args:
-      kind: one of `jaxspeed.cost.profiler.COLLECTIVES`.
+      kind: one of `jaxspeed.cost.hlo.COLLECTIVES`.
       nbytes: per-device bytes in the profiler's full-buffer convention.
       axes: mesh axes the group spans.
       mesh_shape: axis name → size (missing axes 1).
@@ -231,7 +231,7 @@ def step_comm_seconds(
     axis is taken to span the whole real axis.
 
     Args:
-      collectives: `jaxspeed.cost.profiler.collectives(compiled.as_text(), ...)`; one without
+      collectives: `jaxspeed.cost.hlo.collectives(compiled.as_text(), ...)`; one without
         groups spans every device (XLA's meaning of no replica groups).
       mesh_shape: axis name → size of the mesh the step was compiled on.
       devices_per_host: devices on one host of the real cluster.

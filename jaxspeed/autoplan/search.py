@@ -16,7 +16,7 @@
 3. Plans are ranked by predicted step time: the compiled step's instructions one after
    another, each at its own roofline (its matmul FLOPs at the cluster's peak x efficiency, or
    its memory traffic at the memory bandwidth, whichever is longer;
-   `profiler.roofline_seconds`), plus the compiled step's collectives on their links, plus
+   `cost.flops.roofline_seconds`), plus the compiled step's collectives on their links, plus
    the analytic copies to and from host memory of offloaded state and activations over the
    `host_link` (no overlap: see `estimate`). A pipeline's bubble is already in the compiled
    figure: its loop runs every slot, an idle one as long as the costliest branch (on a real
@@ -39,7 +39,8 @@ from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.cost.memory import COMPILED_GPU
 from jaxspeed.ops.precision import compute_dtype
-from jaxspeed.cost.profiler import collectives, roofline_seconds
+from jaxspeed.cost.flops import roofline_seconds
+from jaxspeed.cost.hlo import collectives
 
 
 @dataclasses.dataclass

@@ -7,7 +7,8 @@ the concept is the same, and a DeepSpeed ``ds_config.json`` loads (see `from_dee
 Modules:
 
 * `schema`: the section models and `Config`, the optimizer/scheduler type names;
-* `sizes`: `parse_bytes` and `resolve_batch`;
+* `units`: `parse_bytes` (`"80GiB"` → bytes);
+* `sizes`: `resolve_batch` (the batch sizes a config and a data-parallel size imply);
 * `deepspeed`: the DeepSpeed key tables and `from_deepspeed`;
 * `loading`: `load_config`, `apply_overrides`, and the one-`ConfigError` error messages;
 * `key_paths`: dotted key paths into nested dicts (used by `deepspeed` and `loading`).
@@ -50,7 +51,8 @@ from jaxspeed.config.schema import (
     SchedulerConfig,
     ZeroConfig,
 )
-from jaxspeed.config.sizes import BatchSizes, parse_bytes, resolve_batch
+from jaxspeed.config.sizes import BatchSizes, resolve_batch
+from jaxspeed.config.units import parse_bytes
 
 __all__ = [
     "DEEPSPEED_AUTO_MEANS_UNSET",

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from jaxspeed.config.sizes import parse_bytes
+from jaxspeed.config.units import parse_bytes
 
 OPTIMIZER_TYPES: tuple[str, ...] = ("Adam", "AdamW", "SGD", "Lion", "Adafactor", "OneBitAdam")
 SCHEDULER_TYPES: tuple[str, ...] = ("constant", "WarmupLR", "WarmupDecayLR", "WarmupCosine")
@@ -391,7 +391,7 @@ class HardwareConfig(_Section):
     """Facts about the accelerator; `device_memory` is kept as given (see `parse_bytes`).
 
     `peak_tflops` is one device's peak (dense, compute dtype) for MFU; default: a table of
-    known accelerators (`jaxspeed.cost.profiler.PEAK_FLOPS`).
+    known accelerators (`jaxspeed.cost.peaks.PEAK_FLOPS`).
     """
 
     device_memory: str | int | None = None

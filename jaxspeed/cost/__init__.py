@@ -7,3 +7,34 @@ Owns the HLO text parser and the collectives it finds (`hlo`), FLOP counts and t
 May import: `config`, `ops`, `sharding`. `fit` compiles candidate configs through
 `jaxspeed.train.initialize`, imported inside the function, so `train` may import `cost`.
 """
+
+# The public names of the old `jaxspeed.profiler`, split into `hlo`, `flops` and `peaks`
+# (`jaxspeed._moved` maps the old path here). Only those three modules, which import nothing
+# of jaxspeed's: `fit`, `memory` and `report` load `config`, `ops` and `sharding`, so they
+# stay behind their own paths.
+from jaxspeed.cost.flops import (
+    compiled_flops,
+    jaxpr_flops,
+    memory_traffic,
+    roofline_seconds,
+    step_profile,
+)
+from jaxspeed.cost.hlo import COLLECTIVES, Collective, Dot, collective_bytes, collectives, dots
+from jaxspeed.cost.peaks import PEAK_FLOPS, mfu, peak_flops
+
+__all__ = [
+    "COLLECTIVES",
+    "Collective",
+    "Dot",
+    "PEAK_FLOPS",
+    "collective_bytes",
+    "collectives",
+    "compiled_flops",
+    "dots",
+    "jaxpr_flops",
+    "memory_traffic",
+    "mfu",
+    "peak_flops",
+    "roofline_seconds",
+    "step_profile",
+]

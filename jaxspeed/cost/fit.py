@@ -18,6 +18,7 @@ import jax
 from jaxspeed.config import BatchSizes, Config, load_config
 from jaxspeed.errors import JaxspeedError
 from jaxspeed.sharding.explain import format_bytes
+from pallas_kernels._backend import is_cpu
 
 #: Activation-checkpointing policies from least to most recompute.
 _REMAT_ORDER = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")
@@ -91,7 +92,7 @@ def device_memory(config: Config) -> int | None:
     if configured is not None:
         return configured
     device = jax.local_devices()[0]
-    if device.platform == "cpu":
+    if is_cpu(device):
         return None
     stats = device.memory_stats() or {}
     return stats.get("bytes_limit")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxspeed.cost.memory import COMPILED
-from jaxspeed.cost.profiler import COLLECTIVES
+from jaxspeed.cost.hlo import COLLECTIVES
 from jaxspeed.sharding.explain import format_bytes
 
 

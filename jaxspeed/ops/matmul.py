@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.errors import JaxspeedError
-from pallas_kernels._backend import target_device
+from pallas_kernels._backend import is_cpu
 
 ENV = "JAXSPEED_CPU_BF16_MATMUL"
 CHOICES = ("auto", "native", "widen")
@@ -77,7 +77,7 @@ def widens_bf16() -> bool:
     choice = os.environ.get(ENV, "auto")
     if choice not in CHOICES:
         raise JaxspeedError(f"{ENV} must be one of {CHOICES}, got {choice!r}")
-    if choice == "native" or target_device().platform != "cpu":
+    if choice == "native" or not is_cpu():
         return False
     return choice == "widen" or not cpu_multiplies_bf16()
 

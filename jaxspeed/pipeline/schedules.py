@@ -16,7 +16,7 @@ forward or backward; both are counted as one unit, as in the textbook bubble for
 The table is built by running each device's instruction order (the order that defines the
 schedule) greedily against the data dependencies; a result computed at step t reaches the
 neighbouring stage at step t+1. `execution_plan` compiles a table into the integer arrays and
-ring-buffer slots that the SPMD loop in `spmd.py` indexes, so the program runs exactly the
+ring-buffer slots that the SPMD loop in `interpreter.py` indexes, so the program runs exactly the
 table.
 """
 

@@ -1,6 +1,7 @@
 """The sharding planner: logical axis rules, ZeRO stages, per-device bytes, `explain()`."""
 
-from jaxspeed.sharding.planner import LeafPlan, Plan, plan_sharding
+from jaxspeed.sharding.leaves import LeafPlan
+from jaxspeed.sharding.planner import Plan, plan_sharding
 from jaxspeed.sharding.rules import DEFAULT_RULES, logical_to_spec
 from jaxspeed.sharding.zero import zero_spec
 

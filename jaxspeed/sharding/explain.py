@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jaxspeed.sharding.leaves import flatten_leaf_plans, leaf_bytes
+
 
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -16,11 +18,10 @@ def _spec(spec) -> str:
 
 
 def explain_plan(plan) -> str:
-    from jaxspeed.sharding.planner import _flatten_leaf_plans, leaf_bytes
-
+    """The table `Plan.explain()` returns, for a `Plan` (or anything with its fields)."""
     header = ("parameter", "shape", "params", "grads", "opt state", "param bytes/dev", "notes")
     rows = []
-    for _, leaf in _flatten_leaf_plans(plan.leaves):
+    for _, leaf in flatten_leaf_plans(plan.leaves):
         nbytes = leaf_bytes(plan.mesh, leaf, "param")
         rows.append((
             leaf.path, "×".join(map(str, leaf.shape)) or "scalar", _spec(leaf.param),

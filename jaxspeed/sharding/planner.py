@@ -13,28 +13,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspeed.runtime.mesh import DATA_PARALLEL_AXES, SEQUENCE
 from jaxspeed.ops.offload import DEVICE, HOST
+from jaxspeed.sharding.explain import explain_plan
+from jaxspeed.sharding.leaves import LeafPlan, Logical, flatten_leaf_plans, leaf_bytes
 from jaxspeed.sharding.rules import ACTIVATION_ONLY_AXES, DEFAULT_RULES, Rules, logical_to_spec
 from jaxspeed.sharding.zero import zero_spec
 from jaxspeed.tree_paths import key_names
-
-Logical = tuple[str | None, ...] | None
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafPlan:
-    """The plan for one parameter: its specs for params, gradients and optimizer state."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    logical: Logical
-    param: P
-    grad: P
-    opt: P
-    notes: tuple[str, ...]
-    #: The spec without ZeRO's data-parallel axes: the whole param, as the step computes with
-    #: it once gathered (tensor, expert and pipe axes stay).
-    gathered: P = P()
 
 
 def _is_logical_leaf(x) -> bool:
@@ -126,7 +109,7 @@ class Plan:
         `mu`/`nu`, momentum, ...) gets that parameter's optimizer-state spec. Any other array
         (factored second moments, counters) gets the ZeRO spec its own shape allows.
         """
-        by_path = {key_names(path): leaf for path, leaf in _flatten_leaf_plans(self.leaves)}
+        by_path = {key_names(path): leaf for path, leaf in flatten_leaf_plans(self.leaves)}
         kind = memory_kind or self.opt_memory
 
         def choose(path, x):
@@ -144,23 +127,11 @@ class Plan:
 
     def bytes_per_device(self, field: str) -> int:
         """Per-device bytes of one param-shaped tree stored with the `field` spec."""
-        return sum(leaf_bytes(self.mesh, leaf, field) for _, leaf in _flatten_leaf_plans(self.leaves))
+        return sum(leaf_bytes(self.mesh, leaf, field) for _, leaf in flatten_leaf_plans(self.leaves))
 
     def explain(self) -> str:
         """A table: each parameter, its shape, specs for params / grads / opt state, bytes/device."""
-        from jaxspeed.sharding.explain import explain_plan
-
         return explain_plan(self)
-
-
-def leaf_bytes(mesh: Mesh, leaf: LeafPlan, field: str) -> int:
-    """Bytes one device holds of `leaf` stored with its `field` ("param", "grad", "opt") spec."""
-    shard = NamedSharding(mesh, getattr(leaf, field)).shard_shape(leaf.shape)
-    return math.prod(shard) * np.dtype(leaf.dtype).itemsize
-
-
-def _flatten_leaf_plans(leaves):
-    return jax.tree.flatten_with_path(leaves, is_leaf=lambda x: isinstance(x, LeafPlan))[0]
 
 
 def plan_sharding(

@@ -17,27 +17,28 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.ops import precision
-from jaxspeed.train.adapters import ModelFns, model_fns, token_features
-from jaxspeed.attention.sequence_parallel import check_length
+from jaxspeed.train.adapters import ModelFns, model_fns
+from jaxspeed.train.assembly import (
+    check_mesh, check_supported, onebit_axes, reference_gpt, step_objective,
+)
 from jaxspeed.checkpoint.state import Checkpointer
 from jaxspeed.config import Config, load_config, resolve_batch
 from jaxspeed.data.dataset import make_global_batch
 from jaxspeed.errors import ConfigError
 from jaxspeed.runtime.host_allocator import keep_freed_memory
 from jaxspeed.ops.losses import lm_loss
-from jaxspeed.runtime.mesh import DATA_PARALLEL_AXES, PIPE, SEQUENCE, TENSOR, data_parallel_size, make_mesh
+from jaxspeed.runtime.mesh import PIPE, data_parallel_size, make_mesh
 from jaxspeed.optim import build_optimizer
-from jaxspeed.sharding import Plan, plan_sharding
-from jaxspeed.sharding.planner import LeafPlan
+from jaxspeed.sharding import LeafPlan, Plan, plan_sharding
 from jaxspeed.sharding.rules import DEFAULT_RULES
 from jaxspeed.ops.offload import DEVICE, HOST, with_memory_kind
-from jaxspeed.train.onebit_step import check_onebit_config, onebit_train_step
+from jaxspeed.train.onebit_step import onebit_train_step
 from jaxspeed.train.onebit_step import state_specs as onebit_state_specs
 from jaxspeed.optim.factory import onebit_freeze_step
 from jaxspeed.optim.onebit import COMPRESSED, WARMUP
 from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
-from jaxspeed.pipeline.model import pipelined_lm_objective
 from jaxspeed.train.step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
+from pallas_kernels._backend import is_cpu
 
 
 class Engine:
@@ -68,7 +69,7 @@ class Engine:
         self._compiled: dict[str | None, Any] = {}
         pipelined = mesh.shape.get(PIPE, 1) > 1
         self._spec = StepSpec(
-            objective=_objective(config, mesh, fns, loss_fn, model),
+            objective=step_objective(config, mesh, fns, loss_fn, model),
             tx=self.tx,
             schedule=self.schedule,
             # with a pipeline, its microbatches are the accumulation steps (one scan fewer)
@@ -275,8 +276,8 @@ class Engine:
         return self._compiled[phase]
 
     def step_flops(self) -> int:
-        """Global matmul FLOPs of one train step (loops counted; see `profiler.jaxpr_flops`)."""
-        from jaxspeed.cost.profiler import jaxpr_flops
+        """Global matmul FLOPs of one train step (loops counted; see `cost.flops.jaxpr_flops`)."""
+        from jaxspeed.cost.flops import jaxpr_flops
 
         with self._context():
             step = self._train[self._phase(None)]
@@ -284,7 +285,7 @@ class Engine:
 
     def profile(self) -> dict[str, Any]:
         """FLOPs, the device's peak, and collective bytes per device of the compiled step."""
-        from jaxspeed.cost.profiler import step_profile
+        from jaxspeed.cost.flops import step_profile
 
         device = self.mesh.devices.flat[0]
         return step_profile(
@@ -335,98 +336,6 @@ def _mesh_context(mesh, rules):
         yield
 
 
-def onebit_axes(config: Config, mesh: Mesh) -> tuple[str, ...] | None:
-    """The data-parallel axes 1-bit Adam communicates over (None for other optimizers)."""
-    if config.optimizer.type != "OneBitAdam":
-        return None
-    check_onebit_config(config)
-    return tuple(axis for axis in DATA_PARALLEL_AXES if axis in mesh.axis_names)
-
-
-def _refuse(combinations, parallelism: str, fix: str) -> None:
-    """One error for the first `(config key, used)` pair in use with `parallelism`."""
-    for name, used in combinations:
-        if used:
-            raise ConfigError(
-                f"{name} with {parallelism} is not available in this version of jaxspeed; {fix}")
-
-
-def _check_supported(config: Config) -> None:
-    """Combinations whose config keys exist but which do not work together: refuse, never fake."""
-    if config.mesh.pipe > 1:
-        _refuse((("model.moe", config.model.moe is not None),
-                 ("optimizer.type=OneBitAdam", config.optimizer.type == "OneBitAdam")),
-                f"pipeline parallelism (mesh.pipe={config.mesh.pipe})", "use mesh.pipe=1")
-
-
-def _check_sequence(config: Config, mesh: Mesh, *, reference_model: bool) -> None:
-    """What a sequence split (`mesh.sequence > 1`) needs: one line naming the key otherwise."""
-    shards = mesh.shape.get(SEQUENCE, 1)
-    if shards == 1:
-        return
-    _refuse(((f"mesh.pipe={mesh.shape.get(PIPE, 1)}", mesh.shape.get(PIPE, 1) > 1),
-             ("model.moe", config.model.moe is not None),
-             ("optimizer.type=OneBitAdam", config.optimizer.type == "OneBitAdam")),
-            f"sequence parallelism (mesh.sequence={shards})", "use mesh.sequence=1")
-    rows = np.moveaxis(mesh.devices, mesh.axis_names.index(SEQUENCE), -1).reshape(-1, shards)
-    if any(len({d.process_index for d in row}) > 1 for row in rows):
-        raise ConfigError(
-            f"mesh.sequence={shards} spans processes; each process loads whole sequences, so "
-            f"keep the sequence axis inside one process (fewer sequence devices, more data)"
-        )
-    if not reference_model:
-        return
-    sp = config.model.sequence_parallel
-    check_length(config.data.seq_len, shards, sp.load_balance and sp.impl == "ring")
-    heads, tensor = config.model.n_heads, mesh.shape.get(TENSOR, 1)
-    local = heads // tensor if heads % tensor == 0 else heads
-    if sp.impl == "ulysses" and local % shards:
-        raise ConfigError(
-            f"model.sequence_parallel.impl=ulysses splits the {local} heads per tensor shard "
-            f"(model.n_heads={heads}, mesh.tensor={tensor}) over mesh.sequence={shards}, which "
-            f"does not divide them; use model.sequence_parallel.impl: ring (any head count)"
-        )
-
-
-def _streams_layers(config: Config) -> bool:
-    """Whether the reference GPT streams its layers' params from the host (`offload_param`).
-
-    A pipeline (`mesh.pipe > 1`) fetches each stage's params for the whole step instead.
-    """
-    return config.zero_optimization.offload_param.device == "cpu" and config.mesh.pipe == 1
-
-
-def _objective(config: Config, mesh: Mesh, fns: ModelFns, loss_fn, model):
-    """The step's `(params, batch, rng, train) -> (loss, extras)` (see `train_step.Objective`).
-
-    The model's loss plus the auxiliary losses it records (logged as `aux_loss`); with
-    `mesh.pipe > 1`, the reference GPT's layers run as a pipeline over `pipe`.
-    """
-    if mesh.shape.get(PIPE, 1) > 1:
-        pipe = config.pipeline
-        pipelined = pipelined_lm_objective(
-            model, loss_fn, mesh=mesh, num_microbatches=pipe.num_microbatches,
-            schedule=pipe.schedule, partition=pipe.partition, virtual_stages=pipe.virtual_stages,
-        )
-        def pipelined_objective(params, batch, rng, train):
-            if token_features(batch):
-                raise ConfigError(
-                    f"packed sequences ({', '.join(token_features(batch))} in the batch) with "
-                    f"pipeline parallelism are not available; use mesh.pipe=1")
-            return pipelined(params, batch), {}
-
-        return pipelined_objective
-
-    def objective(params, batch, rng, train):
-        outputs, aux = fns.apply(params, batch["inputs"], rng, train, **token_features(batch))
-        loss = loss_fn(outputs, batch).astype(jnp.float32)
-        if aux is None:
-            return loss, {}
-        return loss + aux, {"aux_loss": aux}
-
-    return objective
-
-
 def initialize(
     config: Config | str | dict | None = None,
     model=None,
@@ -454,27 +363,15 @@ def initialize(
     """
     if not isinstance(config, Config):
         config = load_config(config)
-    _check_supported(config)
+    check_supported(config)
     mesh = mesh if mesh is not None else make_mesh(config.mesh)
-    if mesh.devices.flat[0].platform == "cpu":
+    if is_cpu(mesh.devices.flat[0]):
         keep_freed_memory()  # XLA:CPU mallocs each step's scratch afresh
-    if mesh.shape.get(PIPE, 1) != config.mesh.pipe:  # the batch triple follows the config
-        raise ConfigError(
-            f"the mesh has {PIPE}={mesh.shape.get(PIPE, 1)} but the config has "
-            f"mesh.pipe={config.mesh.pipe}; make them agree"
-        )
-    _check_sequence(config, mesh, reference_model=model is None)
+    check_mesh(config, mesh, reference_model=model is None)
     batch = resolve_batch(config, data_parallel_size(mesh))
     zero = config.zero_optimization
     if model is None:
-        from jaxspeed.models import build_gpt
-
-        remat = config.activation_checkpointing
-        stream = _streams_layers(config)
-        model = build_gpt(
-            config.model, remat_policy=remat.policy, remat_names=remat.names,
-            stream_layers=precision.compute_dtype(config) if stream else None,
-        )
+        model = reference_gpt(config)
     if sample_batch is None:
         sample_batch = {"inputs": np.zeros((batch.micro_batch_per_device, config.data.seq_len), np.int32)}
     fns = model_fns(model, sample_inputs=sample_batch["inputs"], params=params, param_axes=param_axes)

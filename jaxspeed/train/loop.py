@@ -29,7 +29,7 @@ from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.cost.fit import DoesNotFit, device_memory, engine_verdict
 from jaxspeed.data.grain_loader import GrainTokenDataset, make_dataset
 from jaxspeed.train.metrics_log import MetricsLog
-from jaxspeed.cost.profiler import mfu, peak_flops
+from jaxspeed.cost.peaks import mfu, peak_flops
 
 
 class TrainingInterrupted(JaxspeedError):

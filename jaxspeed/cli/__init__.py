@@ -1,0 +1,53 @@
+"""`jaxspeed train | plan | calibrate | bench | export | import-hf | sample | tokenize | tokenizer | launch`: thin shells over the library.
+
+This package owns the command line: `main` reads the flags (`parser.py`), applies the settings
+that must precede any JAX computation, and hands the arguments to the command's module
+(`run.py`: train, bench, launch; `plan.py`: plan, calibrate; `checkpoints.py`: export,
+import-hf, sample; `data.py`: tokenize, tokenizer). JAX is imported only after the flags are
+read, so `--cpu-devices` can still set the number of emulated CPU devices. Errors caused by
+input are printed as one line, with exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jaxspeed.cli import checkpoints, data, plan, run
+from jaxspeed.cli.parser import build_parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one `jaxspeed` command; returns its process exit code."""
+    args = build_parser().parse_args(argv)
+    from jaxspeed.errors import JaxspeedError
+    from jaxspeed.runtime.host_allocator import keep_freed_memory
+
+    try:
+        keep_freed_memory()
+    except JaxspeedError as err:
+        print(f"jaxspeed {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        if getattr(args, "cpu_devices", None) is not None:
+            from jaxspeed.runtime.distributed import set_cpu_devices
+
+            set_cpu_devices(args.cpu_devices)
+        if args.command == "plan" and (args.target or args.cluster):
+            plan.compile_on_cpu_host()
+        if args.command in ("train", "plan"):
+            from jaxspeed.runtime import distributed
+
+            if args.distributed or distributed.launched():
+                distributed.initialize()  # before any JAX computation
+        handlers = {
+            "train": run.train_command, "plan": plan.plan_command, "bench": run.bench_command,
+            "launch": run.launch_command, "export": checkpoints.export_command,
+            "import-hf": checkpoints.import_hf_command, "sample": checkpoints.sample_command,
+            "tokenize": data.tokenize_command, "tokenizer": data.tokenizer_command,
+            "calibrate": plan.calibrate_command,
+        }
+        return handlers[args.command](args)
+    except JaxspeedError as err:
+        signum = getattr(err, "signum", None)  # preempted: the checkpoint is saved
+        print(f"jaxspeed {args.command}: {'' if signum else 'error: '}{err}", file=sys.stderr)
+        return 128 + signum if signum else 2

@@ -1,0 +1,147 @@
+"""`jaxspeed plan` and `jaxspeed calibrate`: the sharding plan, its memory, and the cluster files.
+
+This module owns the planning commands: `plan` prints the plan and per-device memory of a
+config (compiled for this machine's devices, or deviceless for a GPU named by `--target` /
+`--cluster`), `plan --auto` ranks the plans of a cluster, and `calibrate` measures this
+machine into the cluster file that `plan --cluster` reads. `compile_on_cpu_host` is the
+platform choice `main` applies before JAX starts when a GPU is compiled for.
+"""
+
+from __future__ import annotations
+
+import json
+
+from jaxspeed.cli.parser import load_config_args
+
+
+def compile_on_cpu_host() -> None:
+    """Deviceless GPU compilation needs JAX on its CPU platform (the CUDA plugin registers its
+    compiler only then); unless the user chose platforms, choose the CPU."""
+    import os
+
+    import jax
+
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+    # a cached GPU executable cannot be loaded back without a GPU client (XLA warns and
+    # compiles again), so the compilation cache only costs disk here
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
+def _gpu_target(args):
+    """`(target name, device count, cluster)` for `plan --target/--cluster`, or None."""
+    from jaxspeed.errors import JaxspeedError
+
+    cluster = None
+    if args.cluster:
+        from jaxspeed.autoplan.cluster import load_cluster
+
+        cluster = load_cluster(args.cluster)
+    target = args.target or (cluster.gpu if cluster is not None else None)
+    if target is None:
+        if cluster is not None:
+            raise JaxspeedError(
+                f"cluster {cluster.name} names no GPU (its `gpu:` key): give --target h100|h200|a100")
+        if args.devices is not None:
+            raise JaxspeedError("--devices goes with --target or --cluster")
+        return None
+    devices = args.devices or (cluster.devices if cluster is not None else 8)
+    return target, devices, cluster
+
+
+def plan_command(args) -> int:
+    """`jaxspeed plan`: prints the sharding plan and per-device memory (`--auto`: ranked plans)."""
+    from jaxspeed.errors import JaxspeedError
+
+    if args.auto:
+        return _auto_plan(args)
+    if args.apply:
+        raise JaxspeedError("--apply goes with --auto")
+    from jaxspeed.train.engine import initialize
+    from jaxspeed.cost.fit import device_memory, engine_verdict
+    from jaxspeed.cost.report import format_plan
+
+    config = load_config_args(args)
+    target = _gpu_target(args)
+    mesh = None
+    if target is not None:
+        from jaxspeed.gpu import deviceless, targets
+        from jaxspeed.runtime.mesh import make_mesh
+
+        name, count, cluster = target
+        mesh = make_mesh(config.mesh, devices=deviceless.devices(name, count))
+    engine = initialize(config, mesh=mesh)
+    report = {**engine.memory_report(), "profile": engine.profile()}
+    budget = device_memory(config)
+    if target is not None:
+        spec = targets.load(name)
+        if budget is None:
+            budget = cluster.device_memory_bytes if cluster is not None else spec.memory_bytes
+        report["target"] = {"gpu": spec.name, "device_kind": spec.device_kind, "devices": count,
+                            "cluster": cluster.name if cluster is not None else None}
+    verdict = engine_verdict(engine, budget) if budget is not None else None
+    report["fit"] = verdict.to_dict() if verdict is not None else None
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(engine.plan.explain())
+        print()
+        print(format_plan(report))
+    return 0
+
+
+def _auto_plan(args) -> int:
+    """`plan --auto`: prints the cluster's plans, ranked (`--apply`: writes the best)."""
+    from jaxspeed.autoplan.cluster import load_cluster
+    from jaxspeed.autoplan.report import format_table, to_dict, write_config
+    from jaxspeed.autoplan.search import search
+    from jaxspeed.errors import JaxspeedError
+
+    if args.cluster is None:
+        raise JaxspeedError("plan --auto needs --cluster NAME|FILE (see configs/clusters/)")
+    cluster = load_cluster(args.cluster)
+    config = load_config_args(args)
+    devices, note = _auto_devices(cluster, args.devices, args.target)
+    ranked = search(config, cluster, top=args.top, verify=args.verify, devices=devices,
+                    progress=not (args.no_progress or args.json))
+    if args.apply:
+        write_config(config, ranked[0], cluster, args.apply)
+    if args.json:
+        print(json.dumps({"cluster": cluster.name, "compiled_on": note,
+                          "plans": [to_dict(r) for r in ranked]}))
+    else:
+        print(format_table(ranked, cluster))
+        print(f"memory checked on: {note}")
+        if args.apply:
+            print(f"wrote {args.apply}: {ranked[0].plan.describe()}")
+    return 0
+
+
+def _auto_devices(cluster, devices: int | None, target: str | None):
+    """The devices `plan --auto` compiles its plans on, and a line saying which: the cluster's
+    own GPUs, deviceless, when it names one and the CUDA plugin is installed; else this
+    machine's devices, with the larger meshes compiled as proxies."""
+    from jaxspeed.errors import JaxspeedError
+    from jaxspeed.gpu import deviceless
+
+    if devices is not None or target is not None:
+        raise JaxspeedError(
+            "--devices and --target do not go with --auto: the cluster gives the count and "
+            "its `gpu:` key the target")
+    if cluster.gpu is None:
+        return None, "this machine's devices (the cluster names no GPU to compile for)"
+    reason = deviceless.missing()
+    if reason is not None:
+        return None, f"this machine's devices, as proxies ({reason})"
+    found = deviceless.devices(cluster.gpu, cluster.devices)
+    return found, f"{len(found)} x {found[0].device_kind}, compiled by XLA:GPU without a GPU"
+
+
+def calibrate_command(args) -> int:
+    """`jaxspeed calibrate`: measures this machine into a cluster YAML; prints it as JSON."""
+    from jaxspeed.autoplan.calibrate import main as calibrate
+
+    cluster = calibrate(args.out, name=args.name, repeats=args.repeats,
+                        matmul_size=args.matmul_size, collective_mib=args.collective_mib)
+    print(json.dumps({"out": args.out, **cluster.model_dump(mode="json")}))
+    return 0

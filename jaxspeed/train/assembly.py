@@ -1,0 +1,136 @@
+"""What `initialize` assembles from a config before it builds an `Engine`.
+
+The combinations of config keys that exist but do not work together, refused with one
+`ConfigError` that names the key (never faked); the reference GPT that `config.model`
+describes; the step's objective; and the axes 1-bit Adam communicates over.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxspeed.attention.sequence_parallel import check_length
+from jaxspeed.config import Config
+from jaxspeed.errors import ConfigError
+from jaxspeed.ops import precision
+from jaxspeed.pipeline.model import pipelined_lm_objective
+from jaxspeed.runtime.mesh import DATA_PARALLEL_AXES, PIPE, SEQUENCE, TENSOR
+from jaxspeed.train.adapters import ModelFns, token_features
+from jaxspeed.train.onebit_step import check_onebit_config
+
+
+def _refuse(combinations, parallelism: str, fix: str) -> None:
+    """One error for the first `(config key, used)` pair in use with `parallelism`."""
+    for name, used in combinations:
+        if used:
+            raise ConfigError(
+                f"{name} with {parallelism} is not available in this version of jaxspeed; {fix}")
+
+
+def check_supported(config: Config) -> None:
+    """Combinations whose config keys exist but which do not work together: refuse, never fake."""
+    if config.mesh.pipe > 1:
+        _refuse((("model.moe", config.model.moe is not None),
+                 ("optimizer.type=OneBitAdam", config.optimizer.type == "OneBitAdam")),
+                f"pipeline parallelism (mesh.pipe={config.mesh.pipe})", "use mesh.pipe=1")
+
+
+def check_mesh(config: Config, mesh: Mesh, *, reference_model: bool) -> None:
+    """That `mesh` agrees with the config's pipeline, and has what a sequence split needs."""
+    if mesh.shape.get(PIPE, 1) != config.mesh.pipe:  # the batch triple follows the config
+        raise ConfigError(
+            f"the mesh has {PIPE}={mesh.shape.get(PIPE, 1)} but the config has "
+            f"mesh.pipe={config.mesh.pipe}; make them agree"
+        )
+    _check_sequence(config, mesh, reference_model=reference_model)
+
+
+def _check_sequence(config: Config, mesh: Mesh, *, reference_model: bool) -> None:
+    """What a sequence split (`mesh.sequence > 1`) needs: one line naming the key otherwise."""
+    shards = mesh.shape.get(SEQUENCE, 1)
+    if shards == 1:
+        return
+    _refuse(((f"mesh.pipe={mesh.shape.get(PIPE, 1)}", mesh.shape.get(PIPE, 1) > 1),
+             ("model.moe", config.model.moe is not None),
+             ("optimizer.type=OneBitAdam", config.optimizer.type == "OneBitAdam")),
+            f"sequence parallelism (mesh.sequence={shards})", "use mesh.sequence=1")
+    rows = np.moveaxis(mesh.devices, mesh.axis_names.index(SEQUENCE), -1).reshape(-1, shards)
+    if any(len({d.process_index for d in row}) > 1 for row in rows):
+        raise ConfigError(
+            f"mesh.sequence={shards} spans processes; each process loads whole sequences, so "
+            f"keep the sequence axis inside one process (fewer sequence devices, more data)"
+        )
+    if not reference_model:
+        return
+    sp = config.model.sequence_parallel
+    check_length(config.data.seq_len, shards, sp.load_balance and sp.impl == "ring")
+    heads, tensor = config.model.n_heads, mesh.shape.get(TENSOR, 1)
+    local = heads // tensor if heads % tensor == 0 else heads
+    if sp.impl == "ulysses" and local % shards:
+        raise ConfigError(
+            f"model.sequence_parallel.impl=ulysses splits the {local} heads per tensor shard "
+            f"(model.n_heads={heads}, mesh.tensor={tensor}) over mesh.sequence={shards}, which "
+            f"does not divide them; use model.sequence_parallel.impl: ring (any head count)"
+        )
+
+
+def _streams_layers(config: Config) -> bool:
+    """Whether the reference GPT streams its layers' params from the host (`offload_param`).
+
+    A pipeline (`mesh.pipe > 1`) fetches each stage's params for the whole step instead.
+    """
+    return config.zero_optimization.offload_param.device == "cpu" and config.mesh.pipe == 1
+
+
+def reference_gpt(config: Config):
+    """The reference GPT that `config.model` describes, with the config's remat policy, and
+    streaming its layers' params from the host under `offload_param` (`_streams_layers`)."""
+    from jaxspeed.models import build_gpt
+
+    remat = config.activation_checkpointing
+    stream = _streams_layers(config)
+    return build_gpt(
+        config.model, remat_policy=remat.policy, remat_names=remat.names,
+        stream_layers=precision.compute_dtype(config) if stream else None,
+    )
+
+
+def step_objective(config: Config, mesh: Mesh, fns: ModelFns, loss_fn, model):
+    """The step's `(params, batch, rng, train) -> (loss, extras)` (see `train_step.Objective`).
+
+    The model's loss plus the auxiliary losses it records (logged as `aux_loss`); with
+    `mesh.pipe > 1`, the reference GPT's layers run as a pipeline over `pipe`.
+    """
+    if mesh.shape.get(PIPE, 1) > 1:
+        pipe = config.pipeline
+        pipelined = pipelined_lm_objective(
+            model, loss_fn, mesh=mesh, num_microbatches=pipe.num_microbatches,
+            schedule=pipe.schedule, partition=pipe.partition, virtual_stages=pipe.virtual_stages,
+        )
+        def pipelined_objective(params, batch, rng, train):
+            if token_features(batch):
+                raise ConfigError(
+                    f"packed sequences ({', '.join(token_features(batch))} in the batch) with "
+                    f"pipeline parallelism are not available; use mesh.pipe=1")
+            return pipelined(params, batch), {}
+
+        return pipelined_objective
+
+    def objective(params, batch, rng, train):
+        outputs, aux = fns.apply(params, batch["inputs"], rng, train, **token_features(batch))
+        loss = loss_fn(outputs, batch).astype(jnp.float32)
+        if aux is None:
+            return loss, {}
+        return loss + aux, {"aux_loss": aux}
+
+    return objective
+
+
+def onebit_axes(config: Config, mesh: Mesh) -> tuple[str, ...] | None:
+    """The data-parallel axes 1-bit Adam communicates over (None for other optimizers)."""
+    if config.optimizer.type != "OneBitAdam":
+        return None
+    check_onebit_config(config)
+    return tuple(axis for axis in DATA_PARALLEL_AXES if axis in mesh.axis_names)

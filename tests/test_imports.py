@@ -1,0 +1,154 @@
+"""The package's shape: no import cycles among its modules, small modules, few top-level ones."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "jaxspeed"
+MAX_LINES = 400
+MAX_TOP_LEVEL_MODULES = 8
+#: Modules over `MAX_LINES`, each with why it may be: {path relative to jaxspeed/: reason}.
+LONG_MODULES: dict[str, str] = {
+    "attention/sequence_parallel.py": (
+        "Ulysses and ring attention share the layout helpers and ring's custom VJP uses them "
+        "all; 11 lines over"),
+    "attention/sparsity.py": "split in the model-split commit",
+    "config/schema.py": "split in the typed-config commit",
+    "optim/factory.py": "its hand validators go in the typed-config commit",
+    "models/gpt.py": "split in the model-split commit",
+}
+
+
+def _module_name(path: Path) -> str:
+    """jaxspeed/train/engine.py → "jaxspeed.train.engine"; a package's `__init__` is the package."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """`TYPE_CHECKING` or `typing.TYPE_CHECKING`."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST):
+    """Every `import` and `from ... import` in `tree`, at any depth (functions included),
+    except those under `if TYPE_CHECKING:`, which never run."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                yield from _imports(ast.Module(body=[child], type_ignores=[]))
+            continue
+        yield from _imports(node)
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
+             modules: set[str]) -> set[str]:
+    """The jaxspeed modules one import statement of `module` loads by name: `from a.b import c`
+    is `a.b.c` when that is a module, else `a.b`."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    base = node.module or ""
+    if node.level:  # relative: from the package that holds `module`
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        package = package[: len(package) - (node.level - 1)]
+        base = ".".join(package + ([node.module] if node.module else []))
+    found = set()
+    for alias in node.names:
+        if f"{base}.{alias.name}" in modules:
+            found.add(f"{base}.{alias.name}")
+        elif base in modules:
+            found.add(base)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module → the jaxspeed modules it imports (itself excluded)."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        edges = set()
+        for node in _imports(tree):
+            edges |= _targets(node, name, is_package, set(modules))
+        graph[name] = edges - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as `[a, b, ..., a]`, or None when it has none."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start in done:
+            continue
+        path, on_path = [start], {start}
+        stack = [iter(sorted(graph[start]))]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                stack.pop()
+                done.add(path[-1])
+                on_path.discard(path.pop())
+            elif nxt in on_path:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in done:
+                path.append(nxt)
+                on_path.add(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def test_find_cycle_finds_one_and_only_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c", "b"]
+
+
+def test_imports_resolve_to_modules_and_skip_type_checking():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from jaxspeed.train import engine\n"
+        "from jaxspeed.checkpoint.state import Checkpointer\n"
+        "if TYPE_CHECKING:\n"
+        "    from jaxspeed.config import Config\n"
+        "def f():\n"
+        "    import jaxspeed.cost.hlo\n"
+        "    from . import step\n"
+    )
+    modules = set(_modules())
+    found = set()
+    for node in _imports(ast.parse(source)):
+        found |= _targets(node, "jaxspeed.train.loop", False, modules)
+    assert found == {
+        "jaxspeed.train.engine", "jaxspeed.checkpoint.state", "jaxspeed.cost.hlo",
+        "jaxspeed.train.step",
+    }
+
+
+def test_the_package_has_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_modules_are_small():
+    long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            long[path.relative_to(PACKAGE).as_posix()] = lines
+    unexplained = {path: n for path, n in long.items() if path not in LONG_MODULES}
+    assert not unexplained, f"modules over {MAX_LINES} lines (split them): {unexplained}"
+    stale = sorted(set(LONG_MODULES) - set(long))
+    assert not stale, f"no longer over {MAX_LINES} lines, drop them from LONG_MODULES: {stale}"
+
+
+def test_few_top_level_modules():
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules in jaxspeed/: {top}"
