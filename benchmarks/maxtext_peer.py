@@ -73,6 +73,7 @@ def options(config) -> dict[str, str]:
     unsupported = {
         "pipe": mesh.pipe != 1, "expert": mesh.expert != 1, "moe": m.moe is not None,
         "remat": config.activation_checkpointing.policy not in REMAT,
+        "optimizer": config.optimizer.type not in ("Adam", "AdamW"),
         "model": (m.norm, m.mlp, m.positions, m.tie_embeddings)
         != ("rmsnorm", "swiglu", "rotary", False),
     }
@@ -102,11 +103,11 @@ def options(config) -> dict[str, str]:
         "shard_optimizer_over_data": str(stage in (1, 2)).lower(),
         "dtype": "bfloat16" if config.bf16.enabled else "float32", "weight_dtype": "float32",
         "remat_policy": REMAT[config.activation_checkpointing.policy],
-        "learning_rate": str(params.get("lr", 3e-4)),
-        "adam_b1": str(params.get("betas", (0.9, 0.95))[0]),
-        "adam_b2": str(params.get("betas", (0.9, 0.95))[1]),
-        "adam_eps": str(params.get("eps", 1e-8)),
-        "adam_weight_decay": str(params.get("weight_decay", 0.0)),
+        "learning_rate": str(params.lr),
+        "adam_b1": str(params.betas[0]),
+        "adam_b2": str(params.betas[1]),
+        "adam_eps": str(params.eps),
+        "adam_weight_decay": str(params.weight_decay),
         "gradient_clipping_threshold": str(config.gradient_clipping or 0.0),
     }
 

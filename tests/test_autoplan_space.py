@@ -74,7 +74,7 @@ def test_apply_sets_the_plan_and_keeps_the_rest():
     assert out.activation_checkpointing.policy == "full"
     assert (out.train_micro_batch_size_per_device, out.gradient_accumulation_steps) == (4, 4)
     assert out.pipeline.schedule == "1f1b" and out.pipeline.num_microbatches == 4
-    assert out.optimizer.params["lr"] == 0.01 and out.model == config.model
+    assert out.optimizer.params.lr == 0.01 and out.model == config.model
 
 
 def test_apply_offloads_params_and_optimizer_together():

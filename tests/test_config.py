@@ -1,6 +1,7 @@
 """Tests for jaxspeed.config: schema, loading, overrides, DeepSpeed import, batch sizes."""
 
 import json
+import typing
 import warnings
 
 import pydantic
@@ -56,8 +57,15 @@ DEEPSPEED_JSON = {
 def _sections(model_cls):
     yield model_cls
     for field in model_cls.model_fields.values():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, pydantic.BaseModel):
-            yield from _sections(field.annotation)
+        yield from _sections_in(field.annotation)
+
+
+def _sections_in(annotation):
+    """The sections in a field's type, through unions (`optimizer`'s models, `X | None`)."""
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        yield from _sections(annotation)
+    for arg in typing.get_args(annotation):
+        yield from _sections_in(arg)
 
 
 def test_defaults():
@@ -92,8 +100,8 @@ def test_load_file(tmp_path, suffix):
     cfg = load_config(path)
     assert cfg.mesh.tensor == 4 and cfg.zero_optimization.stage == 3
     assert cfg.optimizer.type == "AdamW"  # canonical spelling
-    assert cfg.optimizer.params == {"lr": 3e-4, "betas": [0.9, 0.95]}
-    assert cfg.model.moe == {"num_experts": 8}
+    assert (cfg.optimizer.params.lr, cfg.optimizer.params.betas) == (3e-4, (0.9, 0.95))
+    assert cfg.model.moe.num_experts == 8 and cfg.model.moe.k == 1  # the MoE layer's default
     assert cfg.checkpoint.async_ is False
     assert load_config(str(path)) == cfg
 
@@ -101,7 +109,8 @@ def test_load_file(tmp_path, suffix):
 def test_yaml_exponent_is_a_float(tmp_path):
     path = tmp_path / "cfg.yaml"
     path.write_text("optimizer:\n  params: {lr: 3e-4, eps: 1E-8}\n")
-    assert load_config(path).optimizer.params == {"lr": 3e-4, "eps": 1e-8}
+    params = load_config(path).optimizer.params
+    assert (params.lr, params.eps) == (3e-4, 1e-8)
     assert yaml.safe_load("x: 3e-4") == {"x": "3e-4"}  # the stock SafeLoader is untouched
 
 
@@ -150,7 +159,7 @@ def test_overrides():
         ],
     )
     assert cfg.zero_optimization.stage == 2
-    assert cfg.optimizer.params == {"betas": [0.9, 0.95], "lr": 3e-4}
+    assert (cfg.optimizer.params.betas, cfg.optimizer.params.lr) == ((0.9, 0.95), 3e-4)
     assert cfg.bf16.enabled is True
     assert cfg.data.max_bytes is None
     assert cfg.model.norm == "layernorm"
@@ -213,6 +222,21 @@ def test_every_error_listed_once():
     assert "mesh.pipe:" in message
 
 
+def test_errors_in_three_sections_in_one_message():
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            {
+                "optimizer": {"type": "AdamW", "params": {"lr": "fast"}},
+                "scheduler": {"type": "WarmupCosine", "params": {"warmup_num_steps": 10}},
+                "data": {"seq_len": 0},
+            }
+        )
+    message = str(info.value)
+    assert "optimizer.params.lr: Input should be a valid number (got 'fast')" in message
+    assert "scheduler.params.total_num_steps is required for scheduler.type WarmupCosine" in message
+    assert "data.seq_len: Input should be greater than or equal to 1 (got 0)" in message
+
+
 @pytest.mark.parametrize("stage", ["three", 5, True, -1])
 def test_bad_zero_stage(stage):
     with pytest.raises(ConfigError, match=r"zero_optimization\.stage: .*\(got "):
@@ -230,6 +254,20 @@ def test_bad_zero_stage(stage):
         ({"mesh": {"expert": -2}}, r"mesh\.expert: mesh axis size must be >= 1, or -1"),
         ({"optimizer": {"type": "Adamm"}}, r"optimizer\.type: unknown optimizer .*AdamW, SGD"),
         ({"scheduler": {"type": "cosine"}}, r"scheduler\.type: unknown .*WarmupCosine"),
+        ({"optimizer": {"params": {"max_grad_norm": 1.0}}},
+         r"optimizer\.params\.max_grad_norm: unknown key \(got 1\.0\); use the top-level "
+         r"gradient_clipping instead"),
+        ({"optimizer": {"type": "SGD", "params": {"momentun": 0.9}}},
+         r"optimizer\.params\.momentun: unknown key.*did you mean 'momentum'\?"),
+        ({"optimizer": {"params": {"betas": 0.9}}}, r"optimizer\.params\.betas: .*\(got 0\.9\)"),
+        ({"optimizer": {"type": "OneBitAdam", "params": {"freeze_step": -1}}},
+         r"optimizer\.params\.freeze_step: freeze_step must be >= 0, got -1"),
+        ({"scheduler": {"params": {"warmup_num_steps": 10}}},
+         r"scheduler\.params\.warmup_num_steps: unknown key .*accepted keys: \(none\)"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}},
+         r"scheduler\.params\.warmup_type: Input should be 'log' or 'linear' \(got 'cosine'\)"),
+        ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 2.5}}},
+         r"scheduler\.params\.total_num_steps: Input should be a valid integer \(got 2\.5\)"),
         ({"zero_optimization": {"offload_param": {"device": "gpu"}}}, r"'none' or 'cpu'"),
         ({"activation_checkpointing": {"policy": "names"}}, r"non-empty list of names"),
         ({"activation_checkpointing": {"names": ["x"]}}, r"only used with policy 'names'"),
@@ -247,10 +285,33 @@ def test_invalid_values(raw, match):
 
 def test_type_names_are_case_insensitive():
     cfg = load_config(
-        {"optimizer": {"type": "onebitadam"}, "scheduler": {"type": "WarmupCosineLR"}}
+        {
+            "optimizer": {"type": "onebitadam"},
+            "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10}},
+        }
     )
     assert cfg.optimizer.type == "OneBitAdam"
     assert cfg.scheduler.type == "WarmupCosine"
+
+
+def test_counts_accept_integral_floats():
+    cfg = load_config(
+        {
+            "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 1e5}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 3e3}},
+        }
+    )
+    assert cfg.optimizer.params.freeze_step == 100_000
+    assert type(cfg.optimizer.params.freeze_step) is int
+    assert cfg.scheduler.params.total_num_steps == 3000
+
+
+def test_overrides_pick_the_scheduler_and_its_params():
+    cfg = load_config(
+        None, ["scheduler.type=warmupcosinelr", "scheduler.params.total_num_steps=300"]
+    )
+    assert cfg.scheduler.type == "WarmupCosine" and cfg.scheduler.params.total_num_steps == 300
+    assert cfg.scheduler.params.warmup_num_steps == 1000  # the default, filled in
 
 
 def test_bf16_and_fp16_both_enabled():
@@ -372,7 +433,7 @@ def test_deepspeed_json_loads_with_one_warning(tmp_path):
     assert cfg.fp16.enabled and cfg.fp16.min_loss_scale == 1.0
     assert cfg.zero_optimization.stage == 2
     assert cfg.zero_optimization.offload_optimizer.device == "cpu"
-    assert cfg.optimizer.params["betas"] == [0.9, 0.999]
+    assert cfg.optimizer.params.betas == (0.9, 0.999)
     assert cfg.scheduler.type == "WarmupLR"
     assert cfg.logging.every_n_steps == 50
     assert cfg.gradient_clipping == 1.0
@@ -434,10 +495,9 @@ def test_deepspeed_tensorboard_section():
 def test_top_level_sparse_attention_moves_to_model():
     sparse = {"mode": "fixed", "block": 16, "num_local_blocks": 4}
     cfg = load_config({"sparse_attention": sparse})
-    assert cfg.model.sparse_attention == sparse
-    assert load_config(None, ["sparse_attention.mode=bigbird"]).model.sparse_attention == {
-        "mode": "bigbird"
-    }
+    assert cfg.model.sparse_attention.model_dump(include=set(sparse)) == sparse
+    moved = load_config(None, ["sparse_attention.mode=bigbird"]).model.sparse_attention
+    assert moved.mode == "bigbird"
 
 
 def test_from_deepspeed_leaves_input_alone_and_passes_jaxspeed_configs():
@@ -460,6 +520,7 @@ def test_round_trip():
             "bf16": {"enabled": True},
             "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
             "optimizer": {"type": "lion", "params": {"lr": 1e-4}},
+            "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 300}},
             "activation_checkpointing": {"policy": "names", "names": ["attn_out"]},
             "model": {"mlp": "swiglu", "moe": {"num_experts": 4, "k": 2}},
             "data": {"path": "corpus.txt"},

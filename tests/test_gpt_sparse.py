@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxspeed.attention import DenseSparsityConfig, FixedSparsityConfig
+from jaxspeed.errors import ConfigError
 from jaxspeed.models import GPT, build_gpt
 from jaxspeed.models.gpt import sparse_layout
 from numerics import assert_close, gpt_rtol
@@ -71,14 +72,15 @@ def test_build_gpt_reads_the_sparse_attention_block():
     "block, match",
     [
         ({"mode": "diagonal"}, "model.sparse_attention.mode"),
-        ({"mode": "fixed", "num_local_block": 2}, "did you mean 'num_local_blocks'"),
-        ({"mode": "fixed", "impl": "cuda"}, "sparse_attention.impl"),
+        ({"mode": "fixed", "num_local_block": 2},
+         r"model\.sparse_attention\.num_local_block: unknown key.*did you mean 'num_local_blocks'"),
+        ({"mode": "fixed", "impl": "cuda"}, r"model\.sparse_attention\.impl: .*\(got 'cuda'\)"),
         ({"mode": "fixed", "num_heads": 3}, "num_heads"),
-        ("fixed", "expected a mapping"),
+        ("fixed", r"model\.sparse_attention: .*valid dictionary.*\(got 'fixed'\)"),
     ],
 )
 def test_bad_sparse_attention_blocks_are_clear_errors(block, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         build_gpt(SimpleNamespace(**TINY, sparse_attention=block))
 
 

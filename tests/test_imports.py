@@ -14,8 +14,6 @@ LONG_MODULES: dict[str, str] = {
         "Ulysses and ring attention share the layout helpers and ring's custom VJP uses them "
         "all; 11 lines over"),
     "attention/sparsity.py": "split in the model-split commit",
-    "config/schema.py": "split in the typed-config commit",
-    "optim/factory.py": "its hand validators go in the typed-config commit",
     "models/gpt.py": "split in the model-split commit",
 }
 

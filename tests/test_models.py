@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspeed.errors import ConfigError
 from jaxspeed.ops.losses import lm_loss
 from jaxspeed.models import GPT, build_gpt
 from jaxspeed.models.gpt import count_params, swiglu
@@ -186,13 +187,14 @@ def test_build_gpt_from_namespace():
 @pytest.mark.parametrize(
     "moe, match",
     [
-        ({"k": 2}, "expected a mapping with num_experts"),
+        ({"k": 2}, r"model\.moe\.num_experts is required"),
         ({"num_experts": 4, "top_k": 2}, "model.moe.top_k: unknown key"),
-        ({"num_experts": 4, "every_n_layers": 3}, "every_n_layers=3 must be a positive divisor"),
+        ({"num_experts": 4, "every_n_layers": 3}, r"model\.moe: .*every_n_layers=3 must divide"),
+        ({"num_experts": 2, "k": 3}, r"model\.moe: .*k must be <= num_experts=2"),
     ],
 )
 def test_build_gpt_rejects_bad_moe_blocks(moe, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         build_gpt(SimpleNamespace(**TINY, moe=moe))
 
 
@@ -204,11 +206,16 @@ def test_build_gpt_rejects_bad_moe_blocks(moe, match):
         (dict(positions="alibi"), "learned"),
         (dict(remat_policy="sometimes"), "dots_saveable"),
         (dict(n_heads=3), "divisible"),
+        (dict(n_heads=32), "even head size"),
     ],
 )
 def test_bad_values_name_accepted(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        GPT(**{**TINY, **kwargs})
+    """Model keys are checked by the config (`build_gpt` validates what it is given); the
+    remat policy when the layers are built."""
+    remat = kwargs.pop("remat_policy", "none")
+    with pytest.raises(ConfigError, match=match):
+        model = build_gpt({**TINY, **kwargs}, remat_policy=remat)
+        model.init(jax.random.key(0), _tokens())
 
 
 def test_too_long_sequence_is_rejected():

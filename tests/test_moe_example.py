@@ -55,7 +55,7 @@ def test_example_model_puts_its_experts_on_the_expert_axis():
 def test_gpt_moe_config_is_expert_parallel_with_zero3():
     config = js.load_config(ROOT / "configs" / "gpt_moe.yaml")
     assert config.zero_optimization.stage == 3
-    assert config.model.moe["num_experts"] % config.mesh.expert == 0
+    assert config.model.moe.num_experts % config.mesh.expert == 0
     engine = js.initialize(config)
     assert dict(engine.mesh.shape) == {"pipe": 1, "data": 2, "sequence": 1, "expert": 4, "tensor": 1}
     moe = engine.plan.params["layers"]["moe_block"]["moe"]

@@ -10,9 +10,10 @@ import numpy as np
 import optax
 import pytest
 
+from jaxspeed.config import load_config
 from jaxspeed.errors import ConfigError
 from jaxspeed.optim import build_optimizer, make_optimizer, make_schedule
-from jaxspeed.optim.factory import base_learning_rate
+from jaxspeed.optim.factory import base_learning_rate, onebit_freeze_step
 from numerics import adam_constants_rtol, assert_close, program_rtol
 
 
@@ -175,6 +176,31 @@ def test_build_optimizer_returns_the_schedule_it_uses():
     assert float(schedule(5)) == pytest.approx(0.4, rel=program_rtol(width=2, depth=4))
 
 
+def test_typed_config_builds_the_same_optimizer():
+    typed = load_config(
+        {"optimizer": {"type": "adam", "params": {"lr": LR, "weight_decay": 0.1}}}
+    ).optimizer
+    untyped = _opt("Adam", lr=LR, weight_decay=0.1)
+    chex.assert_trees_all_equal(
+        _one_update(make_optimizer(typed, learning_rate=LR)),
+        _one_update(make_optimizer(untyped, learning_rate=LR)),
+    )
+
+
+def test_build_optimizer_reports_every_error_at_once():
+    config = SimpleNamespace(
+        optimizer=_opt("SGD", lr="fast"), scheduler=_sched("WarmupDecayLR"), gradient_clipping=-1.0
+    )
+    with pytest.raises(ConfigError) as info:
+        build_optimizer(config)
+    message = str(info.value)
+    assert "optimizer.params.lr: Input should be a valid number (got 'fast')" in message
+    assert "scheduler.params.total_num_steps is required for scheduler.type WarmupDecayLR" in (
+        message
+    )
+    assert "gradient_clipping: Input should be greater than or equal to 0 (got -1.0)" in message
+
+
 def test_base_learning_rate_default_and_value():
     assert base_learning_rate(_opt("Adam")) == 1e-3
     assert base_learning_rate(_opt("Adam", lr=3e-4)) == 3e-4
@@ -289,7 +315,7 @@ def test_warmup_cosine_defaults():
 
 
 def test_unknown_optimizer_param_suggests_key():
-    with pytest.raises(ConfigError, match=r"optimizer\.params\.beta.*accepted.*'betas'"):
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.beta: unknown key.*'betas'"):
         make_optimizer(_opt("AdamW", beta=[0.9, 0.99]), learning_rate=LR)
 
 
@@ -317,6 +343,13 @@ def test_onebit_adam_from_config():
         make_optimizer(_opt("OneBitAdam", lr=LR, freeze_step=-1), learning_rate=LR)
     with pytest.raises(ConfigError, match="freeze_stepp"):
         make_optimizer(_opt("OneBitAdam", lr=LR, freeze_stepp=3), learning_rate=LR)
+
+
+def test_onebit_freeze_step():
+    assert onebit_freeze_step(_opt("OneBitAdam")) == 100_000
+    assert onebit_freeze_step(_opt("onebitadam", freeze_step=1e3)) == 1000
+    with pytest.raises(ConfigError, match="optimizer.type Adam has no freeze_step"):
+        onebit_freeze_step(_opt("Adam"))
 
 
 def test_unknown_optimizer_type_lists_accepted():

@@ -4,6 +4,7 @@ import functools
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -104,5 +105,6 @@ def test_engine_applies_the_configured_policy():
     ("names", "match"), [(("qkv", "logits"), "logits"), ((), "at least one")]
 )
 def test_unknown_checkpoint_names_are_clear_errors(names, match):
+    model = GPT(**TINY, remat_policy="names", remat_names=names)
     with pytest.raises(ConfigError, match=match):
-        GPT(**TINY, remat_policy="names", remat_names=names)
+        model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))

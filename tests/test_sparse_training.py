@@ -78,7 +78,7 @@ def test_gpt_sparse_yaml_lowers_the_loss(initial_state):
         "scheduler.type=constant", "scheduler.params={}", "optimizer.params.lr=1e-2",
         "model.sparse_attention.impl=xla",
     )
-    assert config.data.seq_len == 1024 and config.model.sparse_attention["mode"] == "fixed"
+    assert config.data.seq_len == 1024 and config.model.sparse_attention.mode == "fixed"
     losses, _, _ = _train(config, initial_state, steps=5)
     assert np.isfinite(losses).all(), losses
     assert losses[-1] < losses[0] - 0.2, losses  # ~5.5 (uniform over bytes) falls

@@ -98,7 +98,7 @@ def param_counts(config: Config) -> dict[str, int]:
     attention = d * heads * head_dim * 2 + 2 * d * kv * head_dim
     mlp = (3 if m.mlp == "swiglu" else 2) * d * m.d_ff
     if m.moe:
-        mlp *= int(m.moe["num_experts"]) // int(m.moe.get("every_n_layers", 1))
+        mlp *= m.moe.num_experts // m.moe.every_n_layers
     embed = m.vocab_size * d * (1 if m.tie_embeddings else 2)
     return {"layer_matmul": attention + mlp, "layer_norm": 2 * d, "embed": embed, "final_norm": d}
 

@@ -93,7 +93,7 @@ def meshes(config: Config, devices: int, devices_per_host: int) -> Iterator[dict
     """Every legal mesh for the model on `devices` (see the module docstring)."""
     model = config.model
     heads, kv = model.n_heads, model.n_kv_heads or model.n_heads
-    experts = int(model.moe["num_experts"]) if model.moe else 1
+    experts = model.moe.num_experts if model.moe else 1
     batch = config.train_batch_size
     onebit = config.optimizer.type == "OneBitAdam"
     for tensor, expert, sequence in itertools.product(_divisors(devices_per_host), repeat=3):

@@ -35,6 +35,7 @@ from flax import traverse_util
 
 from jaxspeed.checkpoint import direct_io
 from jaxspeed.checkpoint.state import CheckpointError
+from jaxspeed.config.model import FUNCTION, SHAPES, architecture_keys
 
 RECORD = "jaxspeed_params.json"
 ARRAYS = "params"
@@ -42,13 +43,10 @@ FORMAT = "jaxspeed-params"
 #: Joins a params path into one file name.
 SEP = "."
 #: `model:` keys that decide the params' shapes; a run must agree on each.
-SHAPE_KEYS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "norm", "mlp",
-    "positions", "tie_embeddings",
-)
+SHAPE_KEYS = architecture_keys(SHAPES)
 #: `model:` keys that change the function but not the shapes: a difference is only warned about
 #: (fine-tuning to a longer context may change rope on purpose).
-_SOFT_KEYS = ("rope_theta", "rope_scaling", "rms_norm_eps")
+_SOFT_KEYS = architecture_keys(FUNCTION)
 
 
 def is_params_checkpoint(directory: str | Path) -> bool:

@@ -6,14 +6,19 @@ the concept is the same, and a DeepSpeed ``ds_config.json`` loads (see `from_dee
 
 Modules:
 
-* `schema`: the section models and `Config`, the optimizer/scheduler type names;
+* `fields`: the strict field types and the base class of every section;
+* `model`: `model:`, the reference GPT's architecture described once (`ModelConfig`), with
+  `moe` and `sparse_attention` typed by the layers that use them;
+* `optimizer`: `optimizer:` and `scheduler:`, one typed model per `type` (tagged unions);
+* `schema`: the other section models and `Config`;
 * `units`: `parse_bytes` (`"80GiB"` → bytes);
 * `sizes`: `resolve_batch` (the batch sizes a config and a data-parallel size imply);
 * `deepspeed`: the DeepSpeed key tables and `from_deepspeed`;
 * `loading`: `load_config`, `apply_overrides`, and the one-`ConfigError` error messages;
 * `key_paths`: dotted key paths into nested dicts (used by `deepspeed` and `loading`).
 
-This package imports neither jax nor flax.
+`model` imports the attention and MoE modules whose options it types (to check them with
+the layers' own rules); nothing in this package imports `models`, `train` or anything above.
 """
 
 from jaxspeed.config.deepspeed import (
@@ -28,14 +33,23 @@ from jaxspeed.config.deepspeed import (
     from_deepspeed,
 )
 from jaxspeed.config.loading import apply_overrides, load_config
-from jaxspeed.config.schema import (
+from jaxspeed.config.model import (
+    AttentionConfig,
+    ModelConfig,
+    MoeConfig,
+    RopeScalingConfig,
+    SequenceParallelConfig,
+    architecture_keys,
+)
+from jaxspeed.config.optimizer import (
     OPTIMIZER_TYPES,
     SCHEDULER_ALIASES,
     SCHEDULER_TYPES,
+    OptimizerConfig,
+    SchedulerConfig,
+)
+from jaxspeed.config.schema import (
     ActivationCheckpointingConfig,
-    AttentionConfig,
-    SequenceParallelConfig,
-    RopeScalingConfig,
     Bf16Config,
     CheckpointConfig,
     Config,
@@ -44,11 +58,8 @@ from jaxspeed.config.schema import (
     HardwareConfig,
     LoggingConfig,
     MeshConfig,
-    ModelConfig,
     OffloadConfig,
-    OptimizerConfig,
     PipelineConfig,
-    SchedulerConfig,
     ZeroConfig,
 )
 from jaxspeed.config.sizes import BatchSizes, resolve_batch
@@ -80,6 +91,8 @@ __all__ = [
     "LoggingConfig",
     "MeshConfig",
     "ModelConfig",
+    "MoeConfig",
+    "architecture_keys",
     "OffloadConfig",
     "OptimizerConfig",
     "PipelineConfig",

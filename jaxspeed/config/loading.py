@@ -13,15 +13,16 @@ import re
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from jaxspeed.config.deepspeed import DEEPSPEED_RENAMED, _translate_deepspeed, _warn_dropped
 from jaxspeed.config.key_paths import _insert, _plain
 from jaxspeed.config.schema import Config
-from jaxspeed.errors import ConfigError
+from jaxspeed.errors import ConfigError, did_you_mean
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -161,24 +162,36 @@ def _renamed_override(text: str) -> str:
 
 def _describe(error: Mapping[str, Any]) -> str:
     """One line for one pydantic error: `key.path: message (got VALUE)`."""
-    loc = error["loc"]
-    path = ".".join(f"[{part}]" if isinstance(part, int) else str(part) for part in loc)
-    path = path.replace(".[", "[")
-    value = error.get("input")
-    shown = error["type"] == "value_error" and (
-        isinstance(value, Mapping) or repr(value) in error["msg"]
-    )
+    where = _key_path(error["loc"])
+    path, kind, value = where.path, error["type"], error.get("input")
+    if kind == "union_tag_invalid":
+        key, tag = error["ctx"]["discriminator"].strip("'"), error["ctx"]["tag"]
+        accepted = [name.strip(" '") for name in error["ctx"]["expected_tags"].split(",")]
+        return (
+            f"{path}.{key}: unknown {path} {key} {tag!r}; accepted: {', '.join(accepted)}"
+            + did_you_mean(tag, accepted)
+        )
+    if kind == "missing":
+        needed_by = f" for {where.tag}" if where.tag and where.section is not None else ""
+        return f"{path} is required{needed_by}"
+    shown = kind == "value_error" and (isinstance(value, Mapping) or repr(value) in error["msg"])
     got = "" if shown else f" (got {_short_repr(value)})"
-    if error["type"] == "extra_forbidden":
-        accepted = _keys_at(loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), accepted, n=1)
-        if close:
-            hint = f"; did you mean {close[0]!r}?"
-        else:
-            hint = f"; accepted keys: {', '.join(accepted)}"
-        return f"{path}: unknown key{got}{hint}"
+    if kind == "extra_forbidden":
+        return f"{path}: unknown key{got}{_unknown_key_hint(str(error['loc'][-1]), where.section)}"
     message = error["msg"].removeprefix("Value error, ")
     return f"{path}: {message}{got}" if path else f"{message}{got}"
+
+
+def _unknown_key_hint(key: str, section: type[BaseModel] | None) -> str:
+    """Where `key` belongs, else the closest accepted key of `section`, else all of them."""
+    if section is not None and key in section.moved_keys:
+        return f"; use {section.moved_keys[key]} instead"
+    fields = {} if section is None else section.model_fields
+    accepted = [field.alias or name for name, field in fields.items()]
+    close = difflib.get_close_matches(key, accepted, n=1)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; accepted keys: {', '.join(accepted) or '(none)'}"
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:
@@ -186,25 +199,77 @@ def _short_repr(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _keys_at(loc: Sequence[Any]) -> list[str]:
-    """Accepted key names of the config section at `loc` (empty if it is not a section)."""
-    model: Any = Config
-    for part in loc:
-        fields = {(field.alias or name): field for name, field in model.model_fields.items()}
-        fields |= {name: field for name, field in model.model_fields.items()}
-        if part not in fields:
-            return []
-        model = _section_type(fields[part].annotation)
-        if model is None:
-            return []
-    return [field.alias or name for name, field in model.model_fields.items()]
+class _KeyPath(NamedTuple):
+    """Where a pydantic error is, in the config's own keys."""
+
+    #: the dotted key path (`optimizer.params.lr`), without the tags of tagged unions
+    path: str
+    #: the section that holds the path's last key (None when that is not a section)
+    section: type[BaseModel] | None
+    #: the tagged-union member the path runs through (`scheduler.type WarmupCosine`), or ""
+    tag: str
 
 
-def _section_type(annotation: Any) -> type[BaseModel] | None:
+def _key_path(loc: Sequence[Any]) -> _KeyPath:
+    """Reads a pydantic error location as a key path into `Config`.
+
+    Pydantic puts the tag of a tagged union after its key (`optimizer.AdamW.params.lr`); the
+    user never writes it, so it is dropped (`optimizer.params.lr`), and it picks the section
+    that the rest of the path runs through.
+    """
+    keys: list[Any] = []
+    tag = ""
+    section: type[BaseModel] | None = None
+    model: type[BaseModel] | None = Config
+    parts = iter(loc)
+    for part in parts:
+        keys.append(part)
+        section, model = model, None
+        field = None if section is None else _fields(section).get(part)
+        if field is None:
+            continue
+        members = _sections_in(field.annotation)
+        if isinstance(field.discriminator, str):
+            chosen = next(parts, None)
+            members = [m for m in members if m.model_fields[field.discriminator].default == chosen]
+            tag = f"{_dotted(keys)}.{field.discriminator} {chosen}" if members else tag
+        model = members[0] if members else None
+    return _KeyPath(_dotted(keys), section, tag)
+
+
+def _dotted(keys: Sequence[Any]) -> str:
+    return ".".join(f"[{key}]" if isinstance(key, int) else str(key) for key in keys).replace(
+        ".[", "["
+    )
+
+
+def _fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """A section's fields by key: aliases (the config's own names) first, then field names."""
+    fields = {(field.alias or name): field for name, field in model.model_fields.items()}
+    return fields | {name: field for name, field in model.model_fields.items()}
+
+
+def _sections_in(annotation: Any) -> list[type[BaseModel]]:
+    """The section models in a field's type (several in a union), in order."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _section_type(arg)
-        if found is not None:
-            return found
-    return None
+        return [annotation]
+    return [model for arg in typing.get_args(annotation) for model in _sections_in(arg)]
+
+
+def validate_section(section: type[BaseModel], raw: Any, *, at: str) -> BaseModel:
+    """Validates one section on its own (`build_gpt` validates `model:` so), with
+    `load_config`'s messages and key paths under `at`.
+
+    Args:
+      section: the section's model, e.g. `ModelConfig`.
+      raw: a mapping, or an object whose attributes are the section's keys.
+      at: the section's key in `Config`, e.g. "model".
+
+    Raises:
+      ConfigError: one message with every invalid key.
+    """
+    try:
+        return section.model_validate(raw, from_attributes=not isinstance(raw, Mapping))
+    except ValidationError as err:
+        lines = [_describe({**error, "loc": (at, *error["loc"])}) for error in err.errors()]
+        raise ConfigError(f"invalid {at}:\n  " + "\n  ".join(lines)) from None

@@ -11,63 +11,33 @@ is an error.
 
 from __future__ import annotations
 
-import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     AliasChoices,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     field_validator,
     model_validator,
 )
 
+from jaxspeed.config.fields import Bool as _Bool
+from jaxspeed.config.fields import Int as _Int
+from jaxspeed.config.fields import MeshSize as _MeshSize
+from jaxspeed.config.fields import NonNegativeInt as _NonNegativeInt
+from jaxspeed.config.fields import PositiveInt as _PositiveInt
+from jaxspeed.config.fields import Section as _Section
+from jaxspeed.config.fields import not_bool as _not_bool
+from jaxspeed.config.fields import whole_number as _whole_number
+from jaxspeed.config.model import ModelConfig
+from jaxspeed.config.optimizer import (
+    AdamWConfig,
+    ConstantConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+)
 from jaxspeed.config.units import parse_bytes
-
-OPTIMIZER_TYPES: tuple[str, ...] = ("Adam", "AdamW", "SGD", "Lion", "Adafactor", "OneBitAdam")
-SCHEDULER_TYPES: tuple[str, ...] = ("constant", "WarmupLR", "WarmupDecayLR", "WarmupCosine")
-#: Other spellings of scheduler types (lower case) → canonical type.
-SCHEDULER_ALIASES: Mapping[str, str] = types.MappingProxyType({"warmupcosinelr": "WarmupCosine"})
-
-# ---------------------------------------------------------------------------------------------
-# Field types. Ints and bools are strict: `true` is not 1 and "3" is not 3 (YAML and JSON already
-# give real numbers and booleans); floats accept ints.
-
-
-def _not_bool(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError("expected a number, not a boolean")
-    return value
-
-
-def _whole_number(value: Any) -> Any:
-    """`1e9` as DeepSpeed configs write counts (a float in JSON) is the int 1_000_000_000."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _mesh_size(value: int) -> int:
-    if value < 1 and value != -1:
-        raise ValueError("mesh axis size must be >= 1, or -1 to fill from the device count")
-    return value
-
-
-_Int = Annotated[int, Field(strict=True)]
-_PositiveInt = Annotated[int, Field(strict=True, ge=1)]
-_NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
-_MeshSize = Annotated[int, Field(strict=True), AfterValidator(_mesh_size)]
-_Bool = Annotated[bool, Field(strict=True)]
-
-
-class _Section(BaseModel):
-    """Base of every config section: unknown keys are errors; fields load by name or alias."""
-
-    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
 
 
 class MeshConfig(_Section):
@@ -157,39 +127,6 @@ class ZeroConfig(_Section):
         return self
 
 
-def _canonical_type(
-    value: str, accepted: Sequence[str], aliases: Mapping[str, str], what: str
-) -> str:
-    by_lower = {name.lower(): name for name in accepted} | dict(aliases)
-    if value.lower() not in by_lower:
-        raise ValueError(f"unknown {what} type {value!r}; accepted types: {', '.join(accepted)}")
-    return by_lower[value.lower()]
-
-
-class OptimizerConfig(_Section):
-    """Optimizer type (case-insensitive, stored in canonical spelling) and its parameters."""
-
-    type: str = "AdamW"
-    params: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("type")
-    @classmethod
-    def _check_type(cls, value: str) -> str:
-        return _canonical_type(value, OPTIMIZER_TYPES, {}, "optimizer")
-
-
-class SchedulerConfig(_Section):
-    """Learning-rate schedule type (DeepSpeed names, case-insensitive) and its parameters."""
-
-    type: str = "constant"
-    params: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("type")
-    @classmethod
-    def _check_type(cls, value: str) -> str:
-        return _canonical_type(value, SCHEDULER_TYPES, SCHEDULER_ALIASES, "scheduler")
-
-
 class ActivationCheckpointingConfig(_Section):
     """Rematerialisation policy (`jax.checkpoint_policies`); `names` goes with policy `names`."""
 
@@ -217,89 +154,6 @@ class PipelineConfig(_Section):
     partition: Literal["uniform", "balanced"] = "uniform"
     #: stages per device with `schedule: interleaved` (ignored by the other schedules)
     virtual_stages: _PositiveInt = 2
-
-
-class AttentionConfig(_Section):
-    """How the reference GPT computes dense causal attention (`jaxspeed.models.gpt.attend`).
-
-    `reference` materialises the `[batch, heads, length, length]` scores; `blocked` is
-    FlashAttention's algorithm in plain JAX, `O(length * block)` memory
-    (`jaxspeed.attention.blocked_attention`); `fused` is `jax.nn.dot_product_attention` (cuDNN
-    on a GPU); `auto` (default) is `fused` on a GPU and elsewhere `blocked` for sequences
-    longer than a block, `reference` for the rest.
-    """
-
-    impl: Literal["auto", "fused", "blocked", "reference"] = "auto"
-    block_q: _PositiveInt = 512
-    block_kv: _PositiveInt = 512
-
-
-class SequenceParallelConfig(_Section):
-    """How attention crosses `mesh.sequence` (`jaxspeed.attention.sequence_parallel`).
-
-    `ulysses` (DeepSpeed-Ulysses): two all-to-alls turn sequence shards into head shards
-    around any attention (`model.attention`, block-sparse too); needs the heads (per tensor
-    shard) divisible by `mesh.sequence`. `ring`: k/v shards circulate over the devices, any
-    head count, dense attention only. `load_balance` (ring) gives device i the chunks i and
-    2S-1-i of 2S, so the causal mask costs every device the same; it needs `data.seq_len`
-    divisible by 2 x `mesh.sequence`. Ulysses attends over whole sequences, balanced already,
-    and ignores it.
-    """
-
-    impl: Literal["ulysses", "ring"] = "ulysses"
-    load_balance: _Bool = True
-
-
-class RopeScalingConfig(_Section):
-    """Llama 3's rotary frequency scaling (Hugging Face's `rope_scaling` with
-    `rope_type: llama3`)."""
-
-    rope_type: Literal["llama3"] = "llama3"
-    factor: Annotated[float, Field(gt=0)] = 8.0
-    low_freq_factor: Annotated[float, Field(gt=0)] = 1.0
-    high_freq_factor: Annotated[float, Field(gt=0)] = 4.0
-    original_max_position_embeddings: _PositiveInt = 8192
-
-
-class ModelConfig(_Section):
-    """The reference GPT; `moe` and `sparse_attention` are passed to those modules as given."""
-
-    type: Literal["gpt"] = "gpt"
-    vocab_size: _PositiveInt = 256
-    d_model: _PositiveInt = 256
-    n_layers: _PositiveInt = 4
-    n_heads: _PositiveInt = 4
-    #: key/value heads (grouped-query attention, a divisor of n_heads); null: n_heads
-    n_kv_heads: _PositiveInt | None = None
-    d_ff: _PositiveInt = 1024
-    max_seq_len: _PositiveInt = 256
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    mlp: Literal["gelu", "swiglu"] = "gelu"
-    positions: Literal["rotary", "learned"] = "rotary"
-    tie_embeddings: _Bool = True
-    #: rotary base frequency (Llama 2: 10000, Llama 3: 500000) and Llama 3's scaling
-    rope_theta: Annotated[float, Field(gt=0)] = 10_000.0
-    rope_scaling: RopeScalingConfig | None = None
-    #: epsilon of every norm (RMSNorm's or LayerNorm's)
-    rms_norm_eps: Annotated[float, Field(gt=0)] = 1e-6
-    attention: AttentionConfig = Field(default_factory=AttentionConfig)
-    sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
-    moe: dict[str, Any] | None = None
-    sparse_attention: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelConfig:
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                f"the head size d_model / n_heads must be a whole number"
-            )
-        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; each "
-                f"key/value head serves a group of n_heads / n_kv_heads query heads"
-            )
-        return self
 
 
 def _one_or_many(value: Any) -> Any:
@@ -426,8 +280,8 @@ class Config(_Section):
     bf16: Bf16Config = Field(default_factory=Bf16Config)
     fp16: Fp16Config = Field(default_factory=Fp16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    optimizer: OptimizerConfig = Field(default_factory=AdamWConfig)
+    scheduler: SchedulerConfig = Field(default_factory=ConstantConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig
     )

@@ -27,43 +27,33 @@ from jax.sharding import AxisType
 
 from jaxspeed.ops import matmul
 from jaxspeed.ops import offload
-from jaxspeed.attention.block_sparse import IMPLS as SPARSE_IMPLS
 from jaxspeed.attention.block_sparse import block_sparse_attention
 from jaxspeed.attention.blocked import blocked_attention
-from jaxspeed.attention.sequence_parallel import IMPLS as SEQUENCE_IMPLS
 from jaxspeed.attention.sequence_parallel import (
     from_layout,
     layout_positions,
     sequence_parallel_attention,
     to_layout,
 )
-from jaxspeed.attention.sparsity import SparsityConfig, sparsity_config_from_dict
-from jaxspeed.errors import ConfigError, did_you_mean
+from jaxspeed.attention.sparsity import SparsityConfig
+from jaxspeed.config.loading import validate_section
+from jaxspeed.config.model import CONTEXT, SHAPES, ModelConfig, architecture_keys, moe_layer_options
+from jaxspeed.errors import ConfigError
 from jaxspeed.ops.losses import AUX_LOSS
 from jaxspeed.moe.layer import GATING_RNG, MoE
 from jaxspeed.moe.layer import METRICS as MOE_METRICS
-from jaxspeed.ops.remat import POLICIES, checkpoint_policy
+from jaxspeed.ops.remat import checkpoint_policy
 from pallas_kernels._backend import on_gpu
 
 Array = jax.Array
 Dtype = Any
 
-NORMS = ("rmsnorm", "layernorm")
-MLPS = ("gelu", "swiglu")
-POSITIONS = ("rotary", "learned")
-#: `model.attention.impl` values: how dense causal attention is computed (see `attend`).
-ATTENTION_IMPLS = ("auto", "fused", "blocked", "reference")
 #: `checkpoint_name` tags in each block, for `activation_checkpointing.policy: names`.
 CHECKPOINT_NAMES = ("qkv", "attn_context", "attn_out", "mlp_hidden", "mlp_out")
 
 _INIT_STD = 0.02
 _NORM_EPS = 1e-6
 _ROTARY_BASE = 10_000.0
-
-
-def _check_choice(key: str, value: Any, accepted: tuple[str, ...]) -> None:
-    if value not in accepted:
-        raise ConfigError(f"model.{key}: got {value!r}; accepted values are {list(accepted)}")
 
 
 def _cast(x: Array, dtype: Dtype | None) -> Array:
@@ -593,54 +583,6 @@ class GPT(nn.Module):
     #: `cache` collection; see `jaxspeed.models.sampling`)
     decode: bool = False
 
-    def __post_init__(self) -> None:
-        _check_choice("norm", self.norm, NORMS)
-        _check_choice("mlp", self.mlp, MLPS)
-        _check_choice("positions", self.positions, POSITIONS)
-        _check_choice("remat_policy", self.remat_policy, POLICIES)
-        _check_choice("sparse_attention.impl", self.sparse_impl, SPARSE_IMPLS)
-        _check_choice("attention.impl", self.attention_impl, ATTENTION_IMPLS)
-        _check_choice("sequence_parallel.impl", self.sequence_parallel, SEQUENCE_IMPLS)
-        for key in ("block_q", "block_kv"):
-            value = getattr(self, f"attention_{key}")
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(
-                    f"model.attention.{key}: must be a positive integer, got {value!r}"
-                )
-        if self.remat_policy != "none":
-            checkpoint_policy(self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES)
-        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
-            value = getattr(self, key)
-            if value < 1:
-                raise ConfigError(f"model.{key}: must be a positive integer, got {value}")
-        if self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
-            )
-        if self.n_kv_heads is not None and (
-                self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
-            raise ConfigError(
-                f"model.n_kv_heads={self.n_kv_heads} must be a positive divisor of "
-                f"model.n_heads={self.n_heads} (each key/value head serves a group of query heads)"
-            )
-        if self.positions == "rotary" and (self.d_model // self.n_heads) % 2:
-            raise ConfigError(
-                f"model.positions='rotary' needs an even head dim; got d_model/n_heads="
-                f"{self.d_model // self.n_heads}"
-            )
-        if self.moe is not None and (self.moe_every < 1 or self.n_layers % self.moe_every):
-            raise ConfigError(
-                f"model.moe.every_n_layers={self.moe_every} must be a positive divisor of "
-                f"model.n_layers={self.n_layers} (the layers are scanned in groups of that many)"
-            )
-        sparse = self.sparse_attention
-        if sparse is not None and sparse.num_heads != self.n_heads:
-            raise ConfigError(
-                f"model.sparse_attention has num_heads={sparse.num_heads}, but the model has "
-                f"n_heads={self.n_heads}"
-            )
-        super().__post_init__()
-
     @property
     def balanced(self) -> bool:
         """Whether a sequence split uses the load-balanced layout: ring attention's causal
@@ -793,133 +735,19 @@ class GPT(nn.Module):
         return self.logits(from_layout(x, split.axis))
 
 
-_GPT_FIELDS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
-    "norm", "mlp", "positions", "tie_embeddings", "rope_theta",
-)
-
-
-def _llama_options(model_cfg: Any) -> dict[str, Any]:
-    """`model.rms_norm_eps` and `model.rope_scaling` → the `GPT` attributes."""
-    options = {}
-    if getattr(model_cfg, "rms_norm_eps", None) is not None:
-        options["norm_eps"] = float(model_cfg.rms_norm_eps)
-    scaling = getattr(model_cfg, "rope_scaling", None)
-    if scaling is not None:
-        if hasattr(scaling, "model_dump"):  # a validated `jaxspeed.config.RopeScalingConfig`
-            scaling = scaling.model_dump()
-        options["rope_scaling"] = (
-            float(scaling["factor"]), float(scaling["low_freq_factor"]),
-            float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
-    return options
-
-
-def _sparse_options(model_cfg: Any) -> dict[str, Any]:
-    """`model.sparse_attention: {mode, block, ..., impl}` → the `GPT` sparse attributes."""
-    block = getattr(model_cfg, "sparse_attention", None)
-    if block is None:
-        return {}
-    if not isinstance(block, dict):
-        raise ConfigError(
-            f"model.sparse_attention: expected a mapping such as {{mode: fixed, block: 16}}, "
-            f"got {block!r}"
-        )
-    block = dict(block)
-    impl = block.pop("impl", "auto")
-    n_heads = getattr(model_cfg, "n_heads", GPT.n_heads)
-    config = sparsity_config_from_dict(block, num_heads=n_heads, path="model.sparse_attention")
-    return {"sparse_attention": config, "sparse_impl": impl}
-
-
-#: `model.attention` keys → `GPT` attributes.
-ATTENTION_KEYS = {
-    "impl": "attention_impl", "block_q": "attention_block_q", "block_kv": "attention_block_kv",
-}
-
-
-def _section_options(model_cfg: Any, section: str, keys: dict[str, str],
-                     example: str) -> dict[str, Any]:
-    """`model.<section>: {key: value}` (a mapping or a validated pydantic section) → the
-    `GPT` attributes `keys` maps the keys to."""
-    block = getattr(model_cfg, section, None)
-    if block is None:
-        return {}
-    if hasattr(block, "model_dump"):  # a validated `jaxspeed.config` section
-        block = block.model_dump()
-    if not isinstance(block, dict):
-        raise ConfigError(f"model.{section}: expected a mapping such as {example}, got {block!r}")
-    for key in block:
-        if key not in keys:
-            raise ConfigError(
-                f"model.{section}.{key}: unknown key{did_you_mean(key, tuple(keys))}; "
-                f"accepted keys are {list(keys)}"
-            )
-    return {keys[key]: value for key, value in block.items()}
-
-
-def _attention_options(model_cfg: Any) -> dict[str, Any]:
-    """`model.attention: {impl, block_q, block_kv}` → the `GPT` attention attributes."""
-    return _section_options(model_cfg, "attention", ATTENTION_KEYS,
-                            "{impl: blocked, block_q: 512, block_kv: 512}")
-
-
-#: `model.sequence_parallel` keys → `GPT` attributes.
-SEQUENCE_PARALLEL_KEYS = {"impl": "sequence_parallel", "load_balance": "sequence_load_balance"}
-
-
-def _sequence_parallel_options(model_cfg: Any) -> dict[str, Any]:
-    """`model.sequence_parallel: {impl, load_balance}` → the `GPT` sequence attributes."""
-    return _section_options(model_cfg, "sequence_parallel", SEQUENCE_PARALLEL_KEYS,
-                            "{impl: ring, load_balance: true}")
-
-
-#: `model.moe` keys besides `every_n_layers`: the `jaxspeed.moe.MoE` options a config may set.
-MOE_KEYS = (
-    "num_experts", "k", "d_ff", "capacity_factor", "dynamic_capacity", "eval_capacity_factor",
-    "min_capacity",
-    "noisy_gate_policy", "drop_tokens", "use_rts", "use_residual", "num_shared_experts",
-    "activation", "aux_loss_coef", "z_loss_coef", "gate_noise", "bpr", "normalize_gate",
-    "impl", "num_groups",
-)
-
-
-def _moe_options(model_cfg: Any) -> dict[str, Any]:
-    """`model.moe: {num_experts, k, every_n_layers, ...}` → the `GPT` MoE attributes.
-
-    The experts' hidden size defaults to `model.d_ff` and their activation to `model.mlp`.
-    """
-    block = getattr(model_cfg, "moe", None)
-    if block is None:
-        return {}
-    if not isinstance(block, dict) or "num_experts" not in block:
-        raise ConfigError(
-            f"model.moe: expected a mapping with num_experts, e.g. {{num_experts: 8, k: 2}}, "
-            f"got {block!r}"
-        )
-    options = dict(block)
-    every = options.pop("every_n_layers", 1)
-    for key in options:
-        if key not in MOE_KEYS:
-            raise ConfigError(
-                f"model.moe.{key}: unknown key{did_you_mean(key, MOE_KEYS)}; accepted keys are "
-                f"{['every_n_layers', *MOE_KEYS]}"
-            )
-    options.setdefault("d_ff", getattr(model_cfg, "d_ff", GPT.d_ff))
-    options.setdefault("activation", getattr(model_cfg, "mlp", GPT.mlp))
-    return {"moe": tuple(sorted(options.items())), "moe_every": every}
+#: `ModelConfig` fields `GPT` takes as they are (the rest are translated by `build_gpt`).
+_COPIED = (*architecture_keys(SHAPES, CONTEXT), "rope_theta")
 
 
 def build_gpt(
-    model_cfg: Any, *, remat_policy: str = "none", remat_names=(), stream_layers=None
+    model_cfg: ModelConfig | Any, *, remat_policy: str = "none", remat_names=(),
+    stream_layers=None,
 ) -> GPT:
-    """Builds a `GPT` from a model config (any object with the `model:` attributes).
+    """Builds a `GPT` from the `model:` section.
 
     Args:
-      model_cfg: e.g. `jaxspeed.config.ModelConfig`; missing attributes take `GPT`'s defaults.
-        `attention` is `{impl, block_q, block_kv}` (see `attend`);
-        `sparse_attention` is DeepSpeed's block (`mode` and that mode's keys) plus `impl`
-        (`auto` | `pallas` | `xla`); `moe` holds `every_n_layers` (default 1: every layer)
-        and `MOE_KEYS`.
+      model_cfg: a `jaxspeed.config.ModelConfig`, or a mapping or object with its keys
+        (validated into one; missing keys take the config's defaults).
       remat_policy: activation-checkpointing policy name (see `GPT`).
       remat_names: `checkpoint_name` tags saved with policy "names".
       stream_layers: the dtype the scanned layers' host-resident params are fetched in, one
@@ -929,16 +757,27 @@ def build_gpt(
       The (unbound) `GPT` module.
 
     Raises:
-      ValueError: for an unsupported model type or a bad value.
+      ConfigError: `model_cfg` is not a valid `model:` section (every error, with its key).
     """
-    model_type = getattr(model_cfg, "type", "gpt")
-    if model_type != "gpt":
-        raise ConfigError(f"model.type: got {model_type!r}; accepted values are ['gpt']")
-    kwargs = {key: getattr(model_cfg, key) for key in _GPT_FIELDS if hasattr(model_cfg, key)}
+    cfg = model_cfg
+    if not isinstance(cfg, ModelConfig):
+        cfg = validate_section(ModelConfig, cfg, at="model")
+    moe = cfg.moe
     return GPT(
-        **kwargs, **_attention_options(model_cfg), **_sparse_options(model_cfg),
-        **_sequence_parallel_options(model_cfg), **_moe_options(model_cfg),
-        **_llama_options(model_cfg),
+        **{key: getattr(cfg, key) for key in _COPIED},
+        rope_scaling=None if cfg.rope_scaling is None else cfg.rope_scaling.as_tuple(),
+        norm_eps=cfg.rms_norm_eps,
+        attention_impl=cfg.attention.impl,
+        attention_block_q=cfg.attention.block_q,
+        attention_block_kv=cfg.attention.block_kv,
+        sequence_parallel=cfg.sequence_parallel.impl,
+        sequence_load_balance=cfg.sequence_parallel.load_balance,
+        sparse_attention=None if cfg.sparse_attention is None
+        else cfg.sparse_attention.sparsity(cfg.n_heads),
+        sparse_impl="auto" if cfg.sparse_attention is None else cfg.sparse_attention.impl,
+        moe=None if moe is None
+        else tuple(sorted(moe_layer_options(moe, d_ff=cfg.d_ff, mlp=cfg.mlp).items())),
+        moe_every=1 if moe is None else moe.every_n_layers,
         remat_policy=remat_policy, remat_names=tuple(remat_names), stream_layers=stream_layers,
     )
 

@@ -45,6 +45,44 @@ def _dense_ffn(x, w_in, w_out, w_gate, activation):
     return expert_ffn(x[None], params, activation=activation)[0]
 
 
+def check_options(options: Any) -> None:
+    """Raises ConfigError for MoE options that do not go together (`options`: anything with
+    `MoE`'s attributes: the layer itself, or a validated `model.moe` config)."""
+
+    def positive_int(name, value, low=1):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"MoE.{name} must be an int >= {low}, got {value!r}")
+
+    positive_int("num_experts", options.num_experts)
+    positive_int("d_ff", options.d_ff)
+    positive_int("k", options.k)
+    positive_int("min_capacity", options.min_capacity, 0)
+    positive_int("num_shared_experts", options.num_shared_experts, 0)
+    if options.k > options.num_experts:
+        raise ConfigError(
+            f"MoE.k must be <= num_experts={options.num_experts}, got k={options.k}")
+    if options.drop_tokens and not options.capacity_factor > 0:
+        raise ConfigError(
+            f"MoE.capacity_factor must be > 0 with drop_tokens=True, got "
+            f"{options.capacity_factor}; use drop_tokens=False for dropless experts")
+    if options.drop_tokens and not options.eval_capacity_factor > 0:
+        raise ConfigError(
+            f"MoE.eval_capacity_factor must be > 0 with drop_tokens=True, got "
+            f"{options.eval_capacity_factor}")
+    if options.noisy_gate_policy not in NOISY_GATE_POLICIES + ("None",):
+        raise ConfigError(
+            f"MoE.noisy_gate_policy must be one of {NOISY_GATE_POLICIES}, got "
+            f"{options.noisy_gate_policy!r}")
+    if options.activation not in ACTIVATIONS:
+        raise ConfigError(
+            f"MoE.activation must be one of {ACTIVATIONS}, got {options.activation!r}")
+    if options.gate_noise < 0:
+        raise ConfigError(f"MoE.gate_noise must be >= 0, got {options.gate_noise}")
+    if options.use_rts and options.bpr and options.drop_tokens:
+        raise ConfigError(
+            "MoE.use_rts and MoE.bpr both set the slot order: set at most one to True")
+
+
 class MoE(nn.Module):
     """Mixture-of-experts FFN (GShard / DeepSpeed-MoE / Tutel), expert-parallel on a mesh.
 
@@ -121,40 +159,6 @@ class MoE(nn.Module):
     param_dtype: Any = jnp.float32
     dtype: Any = None
 
-    def _validate(self):
-        def positive_int(name, value, low=1):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"MoE.{name} must be an int >= {low}, got {value!r}")
-
-        positive_int("num_experts", self.num_experts)
-        positive_int("d_ff", self.d_ff)
-        positive_int("k", self.k)
-        positive_int("min_capacity", self.min_capacity, 0)
-        positive_int("num_shared_experts", self.num_shared_experts, 0)
-        if self.k > self.num_experts:
-            raise ConfigError(
-                f"MoE.k must be <= num_experts={self.num_experts}, got k={self.k}")
-        if self.drop_tokens and not self.capacity_factor > 0:
-            raise ConfigError(
-                f"MoE.capacity_factor must be > 0 with drop_tokens=True, got "
-                f"{self.capacity_factor}; use drop_tokens=False for dropless experts")
-        if self.drop_tokens and not self.eval_capacity_factor > 0:
-            raise ConfigError(
-                f"MoE.eval_capacity_factor must be > 0 with drop_tokens=True, got "
-                f"{self.eval_capacity_factor}")
-        if self.noisy_gate_policy not in NOISY_GATE_POLICIES + ("None",):
-            raise ConfigError(
-                f"MoE.noisy_gate_policy must be one of {NOISY_GATE_POLICIES}, got "
-                f"{self.noisy_gate_policy!r}")
-        if self.activation not in ACTIVATIONS:
-            raise ConfigError(
-                f"MoE.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.gate_noise < 0:
-            raise ConfigError(f"MoE.gate_noise must be >= 0, got {self.gate_noise}")
-        if self.use_rts and self.bpr and self.drop_tokens:
-            raise ConfigError(
-                "MoE.use_rts and MoE.bpr both set the slot order: set at most one to True")
-
     def _param(self, name, names, shape, fan_in):
         init = nn.with_logical_partitioning(_normal(fan_in), names)
         return self.param(name, init, shape, self.param_dtype)
@@ -193,7 +197,7 @@ class MoE(nn.Module):
         Returns:
           `x`'s shape and dtype.
         """
-        self._validate()
+        check_options(self)
         if x.ndim not in (2, 3):
             raise ValueError(
                 f"MoE input must be [batch, length, embed] or [tokens, embed], got {x.shape}")

@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from jaxspeed.checkpoint.state import CheckpointError
+from jaxspeed.config.model import architecture_keys
 
-#: Keys of the `model:` section an imported checkpoint records (what the HF config sets).
-MODEL_KEYS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
-    "norm", "mlp", "positions", "tie_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps",
-)
+#: Keys of the `model:` section an imported checkpoint records (what the HF config sets): the
+#: whole architecture.
+MODEL_KEYS = architecture_keys()
 
 #: HF name -> jaxspeed name of the plain integer sizes.
 _SIZES = {

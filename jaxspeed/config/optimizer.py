@@ -1,0 +1,263 @@
+"""The `optimizer:` and `scheduler:` sections: one typed model per `type`, with DeepSpeed's names.
+
+Each section is a union tagged by `type` (`OptimizerConfig`, `SchedulerConfig`): the type picks
+the model, and the model checks its `params`, so every misspelt or mistyped param is reported
+with the rest of the config's errors, as `optimizer.params.KEY`. A type is case-insensitive
+(DeepSpeed lowercases names) and is stored in its canonical spelling. `jaxspeed.optim` turns
+these models into optax objects.
+
+Counts accept integral floats (`freeze_step: 1e5`, as DeepSpeed's JSON configs write them);
+floats accept ints; bools are strict.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AfterValidator, BeforeValidator, Field
+
+from jaxspeed.config.fields import Bool, Section, whole_number
+
+#: The lr of an optimizer whose `params.lr` is not given.
+DEFAULT_LR = 1e-3
+
+_Float = Annotated[float, Field(strict=True)]
+_Betas = tuple[_Float, _Float]
+_Count = Annotated[int, Field(strict=True), BeforeValidator(whole_number)]
+
+
+def _freeze_step_not_negative(value: int) -> int:
+    if value < 0:
+        raise ValueError(f"freeze_step must be >= 0, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------------- optimizers
+
+
+class _OptimizerParams(Section):
+    """What every optimizer takes: the peak lr (which a scheduler scales) and weight decay."""
+
+    moved_keys: ClassVar[Mapping[str, str]] = types.MappingProxyType(
+        {"max_grad_norm": "the top-level gradient_clipping"}
+    )
+
+    lr: _Float = DEFAULT_LR
+    weight_decay: _Float = 0.0
+
+
+class AdamParams(_OptimizerParams):
+    """DeepSpeed's Adam is FusedAdam with adam_w_mode=True: decoupled weight decay."""
+
+    betas: _Betas = (0.9, 0.999)
+    eps: _Float = 1e-8
+    adam_w_mode: Bool = True
+
+
+class AdamWParams(_OptimizerParams):
+    """DeepSpeed's AdamW is FusedAdam(adam_w_mode=True), whose weight_decay default is 0.0
+    (torch.optim.AdamW's 0.01 only applies with DeepSpeed's torch_adam)."""
+
+    betas: _Betas = (0.9, 0.999)
+    eps: _Float = 1e-8
+
+
+class SGDParams(_OptimizerParams):
+    """torch.optim.SGD (DeepSpeed falls back to torch.optim for this name), dampening 0."""
+
+    momentum: _Float = 0.0
+    nesterov: Bool = False
+
+
+class LionParams(_OptimizerParams):
+    """DeepSpeed's FusedLion."""
+
+    betas: _Betas = (0.9, 0.99)
+
+
+class AdafactorParams(_OptimizerParams):
+    """optax.adafactor's own names and meanings (DeepSpeed has no built-in Adafactor)."""
+
+    decay_rate: _Float = 0.8
+    eps: _Float = 1e-30
+    #: 0 = no update clipping
+    clipping_threshold: _Float = 1.0
+    multiply_by_parameter_scale: Bool = True
+    min_dim_size_to_factor: Annotated[_Count, Field(ge=0)] = 128
+
+
+class OneBitAdamParams(_OptimizerParams):
+    """DeepSpeed's OnebitAdam; cuda_aware and comm_backend_name are accepted and ignored (the
+    compressed all-reduce is an XLA collective)."""
+
+    betas: _Betas = (0.9, 0.999)
+    eps: _Float = 1e-8
+    #: plain Adam steps before the compressed phase starts
+    freeze_step: Annotated[_Count, AfterValidator(_freeze_step_not_negative)] = 100000
+    bias_correction: Bool = True
+    cuda_aware: Bool = False
+    comm_backend_name: Annotated[str, Field(strict=True)] = "nccl"
+
+
+class AdamConfig(Section):
+    """`optimizer: {type: Adam}`."""
+
+    type: Literal["Adam"] = "Adam"
+    params: AdamParams = Field(default_factory=AdamParams)
+
+
+class AdamWConfig(Section):
+    """`optimizer: {type: AdamW}` (the default optimizer)."""
+
+    type: Literal["AdamW"] = "AdamW"
+    params: AdamWParams = Field(default_factory=AdamWParams)
+
+
+class SGDConfig(Section):
+    """`optimizer: {type: SGD}`."""
+
+    type: Literal["SGD"] = "SGD"
+    params: SGDParams = Field(default_factory=SGDParams)
+
+
+class LionConfig(Section):
+    """`optimizer: {type: Lion}`."""
+
+    type: Literal["Lion"] = "Lion"
+    params: LionParams = Field(default_factory=LionParams)
+
+
+class AdafactorConfig(Section):
+    """`optimizer: {type: Adafactor}`."""
+
+    type: Literal["Adafactor"] = "Adafactor"
+    params: AdafactorParams = Field(default_factory=AdafactorParams)
+
+
+class OneBitAdamConfig(Section):
+    """`optimizer: {type: OneBitAdam}`: 1-bit Adam (Tang et al. 2021)."""
+
+    type: Literal["OneBitAdam"] = "OneBitAdam"
+    params: OneBitAdamParams = Field(default_factory=OneBitAdamParams)
+
+
+# ---------------------------------------------------------------------------------- schedulers
+
+_Steps = Annotated[_Count, Field(ge=1)]
+
+
+class ConstantParams(Section):
+    """A constant lr takes no params: it is the optimizer's `params.lr`."""
+
+
+class WarmupLRParams(Section):
+    """DeepSpeed's WarmupLR: from `warmup_min_lr` up to `warmup_max_lr`, then constant."""
+
+    warmup_min_lr: _Float = 0.0
+    #: null: the optimizer's lr
+    warmup_max_lr: _Float | None = None
+    warmup_num_steps: _Steps = 1000
+    warmup_type: Literal["log", "linear"] = "log"
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    """DeepSpeed's WarmupDecayLR: WarmupLR, then a linear decay to `warmup_min_lr` at
+    `total_num_steps`."""
+
+    total_num_steps: _Steps
+
+
+class WarmupCosineParams(Section):
+    """DeepSpeed's WarmupCosineLR: ratios of the optimizer's lr, warm-up then cosine decay."""
+
+    total_num_steps: _Steps
+    warmup_min_ratio: _Float = 0.0
+    warmup_num_steps: _Steps = 1000
+    cos_min_ratio: _Float = 1e-4
+    warmup_type: Literal["log", "linear"] = "log"
+
+
+class ConstantConfig(Section):
+    """`scheduler: {type: constant}` (the default)."""
+
+    type: Literal["constant"] = "constant"
+    params: ConstantParams = Field(default_factory=ConstantParams)
+
+
+class WarmupLRConfig(Section):
+    """`scheduler: {type: WarmupLR}`."""
+
+    type: Literal["WarmupLR"] = "WarmupLR"
+    params: WarmupLRParams = Field(default_factory=WarmupLRParams)
+
+
+class WarmupDecayLRConfig(Section):
+    """`scheduler: {type: WarmupDecayLR}`; its params need `total_num_steps`."""
+
+    type: Literal["WarmupDecayLR"] = "WarmupDecayLR"
+    # A missing params block is validated as `{}`, so the error names the missing key.
+    params: WarmupDecayLRParams = Field(default_factory=dict, validate_default=True)
+
+
+class WarmupCosineConfig(Section):
+    """`scheduler: {type: WarmupCosine}` (alias `WarmupCosineLR`); needs `total_num_steps`."""
+
+    type: Literal["WarmupCosine"] = "WarmupCosine"
+    params: WarmupCosineParams = Field(default_factory=dict, validate_default=True)
+
+
+# -------------------------------------------------------------------------------- the unions
+
+_Optimizers = (
+    AdamConfig | AdamWConfig | SGDConfig | LionConfig | AdafactorConfig | OneBitAdamConfig
+)
+_Schedulers = ConstantConfig | WarmupLRConfig | WarmupDecayLRConfig | WarmupCosineConfig
+
+
+def _tags(union: Any) -> tuple[str, ...]:
+    return tuple(member.model_fields["type"].default for member in typing.get_args(union))
+
+
+OPTIMIZER_TYPES: tuple[str, ...] = _tags(_Optimizers)
+SCHEDULER_TYPES: tuple[str, ...] = _tags(_Schedulers)
+#: Other spellings of scheduler types (lower case) → canonical type.
+SCHEDULER_ALIASES: Mapping[str, str] = types.MappingProxyType({"warmupcosinelr": "WarmupCosine"})
+
+
+def _canonical_type(
+    accepted: tuple[str, ...], *, default: str, aliases: Mapping[str, str] | None = None
+) -> Callable[[Any], Any]:
+    """A before-validator that fills in `default` and spells `type` canonically.
+
+    An unknown type is left as it is, for the union to report with the accepted types.
+    """
+    by_lower = {name.lower(): name for name in accepted} | dict(aliases or {})
+
+    def canonical(value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            return value
+        name = value.get("type", default)
+        if isinstance(name, str):
+            name = by_lower.get(name.lower(), name)
+        return {**value, "type": name}
+
+    return canonical
+
+
+#: `optimizer:`, one of the models above, picked by its `type`.
+OptimizerConfig = Annotated[
+    _Optimizers,
+    Field(discriminator="type"),
+    BeforeValidator(_canonical_type(OPTIMIZER_TYPES, default="AdamW")),
+]
+#: `scheduler:`, one of the models above, picked by its `type`.
+SchedulerConfig = Annotated[
+    _Schedulers,
+    Field(discriminator="type"),
+    BeforeValidator(
+        _canonical_type(SCHEDULER_TYPES, default="constant", aliases=SCHEDULER_ALIASES)
+    ),
+]
