@@ -2,7 +2,7 @@
 
 Forward + backward (`jax.vjp` of the attention, all three input gradients) of
 `jaxspeed.attention.blocked_attention(..., causal=True)` against
-`jaxspeed.models.gpt.causal_attention` (the `model.attention.impl: reference` path: fp32
+`jaxspeed.models.dense_attention.causal_attention` (the `model.attention.impl: reference` path: fp32
 `[batch, heads, length, length]` scores), side by side in one run, on one CPU device. Batch 1,
 4 heads of 64, fp32, causal, blocks 512 x 512 (the config's default).
   - Memory: the compiled step's temporaries (`memory_analysis().temp_size_in_bytes`), and its
@@ -45,7 +45,7 @@ def steps(case: dict):
     import jax
 
     from jaxspeed.attention import blocked_attention
-    from jaxspeed.models.gpt import causal_attention
+    from jaxspeed.models.dense_attention import causal_attention
 
     def blocked(q, k, v, do):
         attend = lambda q, k, v: blocked_attention(

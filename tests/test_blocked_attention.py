@@ -14,7 +14,7 @@ from jaxspeed.config import load_config
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops.losses import lm_loss
 from jaxspeed.models import GPT, build_gpt
-from jaxspeed.models.gpt import causal_attention
+from jaxspeed.models.dense_attention import causal_attention
 from numerics import assert_close, mixed_rtol, program_rtol
 from test_benchmarks import check_result, run_quick
 
@@ -239,7 +239,7 @@ def test_benchmark_quick_run_prints_a_result_line():
 
 @pytest.mark.parametrize("length, want", [(16, "reference"), (40, "blocked")])
 def test_auto_is_blocked_beyond_one_block_on_cpu(monkeypatch, length, want):
-    from jaxspeed.models import gpt
+    from jaxspeed.models import dense_attention as gpt
 
     called = []
     monkeypatch.setattr(gpt, "blocked_attention", lambda *a, **k: called.append("blocked") or a[0])

@@ -12,7 +12,7 @@ import pytest
 from jaxspeed.attention import DenseSparsityConfig, FixedSparsityConfig
 from jaxspeed.errors import ConfigError
 from jaxspeed.models import GPT, build_gpt
-from jaxspeed.models.gpt import sparse_layout
+from jaxspeed.models.attention import sparse_layout
 from numerics import assert_close, gpt_rtol
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=32)

@@ -10,7 +10,7 @@ import pytest
 import jaxspeed as js
 from jaxspeed.errors import ConfigError
 from jaxspeed.models import GPT, build_gpt
-from jaxspeed.models.gpt import Rotary
+from jaxspeed.models.positions import Rotary
 from numerics import assert_close, gpt_rtol
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16,

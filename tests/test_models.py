@@ -12,7 +12,8 @@ import pytest
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops.losses import lm_loss
 from jaxspeed.models import GPT, build_gpt
-from jaxspeed.models.gpt import count_params, swiglu
+from jaxspeed.models.gpt import count_params
+from jaxspeed.models.layers import swiglu
 from numerics import assert_close, gpt_rtol, mixed_rtol, sum_rtol
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16)

@@ -1,0 +1,95 @@
+"""Dense causal attention, and the choice of how to compute it (`model.attention.impl`)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxspeed.attention.blocked import blocked_attention
+from jaxspeed.ops import matmul
+from pallas_kernels._backend import on_gpu
+
+Array = jax.Array
+
+
+def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = None, *,
+                     q_positions: Array | None = None) -> Array:
+    """Causal softmax attention with a float32 softmax.
+
+    Args:
+      q: `[batch, q_len, heads, head_dim]`; k, v: `[batch, kv_len, heads, head_dim]`, key `j`
+        at position `j`.
+      segment_ids: int `[batch, length]`: a query sees only keys of its own segment (packed
+        documents); None: one segment.
+      q_positions: int `[q_len]`, the queries' positions (a decoding step's, after a cache of
+        keys); default `0, 1, ...`: query `i` sees keys `0..i`.
+
+    Returns:
+      `[batch, q_len, heads, head_dim]` in `v`'s dtype.
+    """
+    head_dim = q.shape[-1]
+    scores = matmul.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores.astype(jnp.float32) / math.sqrt(head_dim)
+    if q_positions is None:
+        q_positions = jnp.arange(q.shape[1])
+    keep = jnp.arange(k.shape[1])[None, :] <= q_positions[:, None]
+    if segment_ids is not None:
+        keep = keep & same_segment(segment_ids)
+    scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return matmul.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def same_segment(segment_ids: Array) -> Array:
+    """bool `[batch, 1, length, length]`: query and key in the same segment."""
+    return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+
+
+def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: int,
+           segment_ids: Array | None = None) -> Array:
+    """Dense causal softmax attention, computed as `impl` says.
+
+    Args:
+      q, k, v: `[batch, length, heads, head_dim]`.
+      impl: `reference` (`causal_attention`: `[batch, heads, length, length]` fp32 scores),
+        `blocked` (`jaxspeed.attention.blocked_attention`, O(length * block) memory), `fused`
+        (`jax.nn.dot_product_attention`: cuDNN on a GPU where it applies, XLA elsewhere) or
+        `auto`: `fused` on a GPU; elsewhere `blocked` when the sequence is longer than a
+        block, else `reference` (one block holds the whole `[length, length]` tile anyway,
+        and the reference computes it without the loops).
+      block_q, block_kv: the blocks of `blocked`.
+      segment_ids: int `[batch, length]` of packed documents (attention stays within one),
+        or None.
+
+    Returns:
+      `[batch, length, heads, head_dim]` in `v`'s dtype.
+    """
+    if impl == "auto":
+        longer = q.shape[1] > block_q or k.shape[1] > block_kv
+        impl = "fused" if on_gpu() else "blocked" if longer else "reference"
+    if impl == "fused":
+        mask = None if segment_ids is None else same_segment(segment_ids)
+        y = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                         implementation=None)
+        return y.astype(v.dtype)
+    if impl == "blocked":
+        return blocked_attention(q, k, v, causal=True, block_q=block_q, block_kv=block_kv,
+                                 segment_ids=segment_ids)
+    return causal_attention(q, k, v, segment_ids)
+
+
+
+
+def share_kv_heads(k: Array, v: Array, n_heads: int) -> tuple[Array, Array]:
+    """Grouped-query attention: each group of query heads reads one key/value head.
+
+    Args:
+      k, v: `[batch, length, kv_heads, head_dim]`, `kv_heads` dividing `n_heads`.
+
+    Returns:
+      `k`, `v` as `[batch, length, n_heads, head_dim]`.
+    """
+    group = n_heads // k.shape[2]
+    return (k, v) if group == 1 else tuple(jnp.repeat(t, group, axis=2) for t in (k, v))
