@@ -80,9 +80,7 @@ def overrides(args, mode: str) -> list[str]:
 
 def density(config) -> float:
     """Fraction of the `[nb, nb]` blocks the sparse model computes (layout and causal mask)."""
-    block = dict(config.model.sparse_attention)
-    block.pop("impl", None)  # the kernel choice, not part of DeepSpeed's block
-    sparsity = js.attention.sparsity_config_from_dict(block, num_heads=config.model.n_heads)
+    sparsity = config.model.sparse_attention.sparsity(config.model.n_heads)
     layout = sparsity.make_layout(config.data.seq_len).astype(bool)  # [heads, nb, nb]
     return float((layout & np.tril(np.ones(layout.shape[1:], bool))).mean())
 
@@ -139,8 +137,8 @@ def main():
     print()
     print(
         f"seq {args.seq_len}, {engines['sparse'].mesh.size} device(s), global batch "
-        f"{global_batch}; Fixed layout: block {sparse_cfg['block']}, "
-        f"{sparse_cfg['num_local_blocks']} local blocks, {frac:.1%} of the blocks computed"
+        f"{global_batch}; Fixed layout: block {sparse_cfg.block}, "
+        f"{sparse_cfg.num_local_blocks} local blocks, {frac:.1%} of the blocks computed"
     )
     print(f"{'':<26}{'sparse':>12}{'dense':>12}{'dense/sparse':>14}")
     rows = [

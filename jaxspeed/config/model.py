@@ -185,7 +185,7 @@ class SparseAttentionBase(Section):
 
 def _mode_config(mode: str, cls: type[SparsityConfig]) -> type[SparseAttentionBase]:
     return create_model(
-        f"{cls.__name__.removesuffix('Config')}AttentionConfig",
+        cls.__name__.replace("SparsityConfig", "SparseAttentionConfig"),
         __base__=SparseAttentionBase,
         __doc__=f"`model.sparse_attention` with `mode: {mode}` (`{cls.__name__}`).",
         mode=(Literal[mode], mode),

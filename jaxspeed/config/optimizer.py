@@ -17,7 +17,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field, create_model
 
 from jaxspeed.config.fields import Bool, Section, whole_number
 
@@ -33,6 +33,20 @@ def _freeze_step_not_negative(value: int) -> int:
     if value < 0:
         raise ValueError(f"freeze_step must be >= 0, got {value}")
     return value
+
+
+def _typed(section: str, type_name: str, params: type[Section]) -> type[Section]:
+    """The model of `{section}: {type: type_name, params: {...}}`.
+
+    A missing `params` block is validated as `{}`, so a required param is reported by name.
+    """
+    return create_model(
+        f"{type_name[0].upper()}{type_name[1:]}Config",
+        __base__=Section,
+        __doc__=f"`{section}: {{type: {type_name}, params: ...}}` ({params.__name__}).",
+        type=(Literal[type_name], type_name),
+        params=(params, Field(default_factory=dict, validate_default=True)),
+    )
 
 
 # ---------------------------------------------------------------------------------- optimizers
@@ -102,46 +116,12 @@ class OneBitAdamParams(_OptimizerParams):
     comm_backend_name: Annotated[str, Field(strict=True)] = "nccl"
 
 
-class AdamConfig(Section):
-    """`optimizer: {type: Adam}`."""
-
-    type: Literal["Adam"] = "Adam"
-    params: AdamParams = Field(default_factory=AdamParams)
-
-
-class AdamWConfig(Section):
-    """`optimizer: {type: AdamW}` (the default optimizer)."""
-
-    type: Literal["AdamW"] = "AdamW"
-    params: AdamWParams = Field(default_factory=AdamWParams)
-
-
-class SGDConfig(Section):
-    """`optimizer: {type: SGD}`."""
-
-    type: Literal["SGD"] = "SGD"
-    params: SGDParams = Field(default_factory=SGDParams)
-
-
-class LionConfig(Section):
-    """`optimizer: {type: Lion}`."""
-
-    type: Literal["Lion"] = "Lion"
-    params: LionParams = Field(default_factory=LionParams)
-
-
-class AdafactorConfig(Section):
-    """`optimizer: {type: Adafactor}`."""
-
-    type: Literal["Adafactor"] = "Adafactor"
-    params: AdafactorParams = Field(default_factory=AdafactorParams)
-
-
-class OneBitAdamConfig(Section):
-    """`optimizer: {type: OneBitAdam}`: 1-bit Adam (Tang et al. 2021)."""
-
-    type: Literal["OneBitAdam"] = "OneBitAdam"
-    params: OneBitAdamParams = Field(default_factory=OneBitAdamParams)
+AdamConfig = _typed("optimizer", "Adam", AdamParams)
+AdamWConfig = _typed("optimizer", "AdamW", AdamWParams)  # the default optimizer
+SGDConfig = _typed("optimizer", "SGD", SGDParams)
+LionConfig = _typed("optimizer", "Lion", LionParams)
+AdafactorConfig = _typed("optimizer", "Adafactor", AdafactorParams)
+OneBitAdamConfig = _typed("optimizer", "OneBitAdam", OneBitAdamParams)
 
 
 # ---------------------------------------------------------------------------------- schedulers
@@ -180,33 +160,10 @@ class WarmupCosineParams(Section):
     warmup_type: Literal["log", "linear"] = "log"
 
 
-class ConstantConfig(Section):
-    """`scheduler: {type: constant}` (the default)."""
-
-    type: Literal["constant"] = "constant"
-    params: ConstantParams = Field(default_factory=ConstantParams)
-
-
-class WarmupLRConfig(Section):
-    """`scheduler: {type: WarmupLR}`."""
-
-    type: Literal["WarmupLR"] = "WarmupLR"
-    params: WarmupLRParams = Field(default_factory=WarmupLRParams)
-
-
-class WarmupDecayLRConfig(Section):
-    """`scheduler: {type: WarmupDecayLR}`; its params need `total_num_steps`."""
-
-    type: Literal["WarmupDecayLR"] = "WarmupDecayLR"
-    # A missing params block is validated as `{}`, so the error names the missing key.
-    params: WarmupDecayLRParams = Field(default_factory=dict, validate_default=True)
-
-
-class WarmupCosineConfig(Section):
-    """`scheduler: {type: WarmupCosine}` (alias `WarmupCosineLR`); needs `total_num_steps`."""
-
-    type: Literal["WarmupCosine"] = "WarmupCosine"
-    params: WarmupCosineParams = Field(default_factory=dict, validate_default=True)
+ConstantConfig = _typed("scheduler", "constant", ConstantParams)  # the default schedule
+WarmupLRConfig = _typed("scheduler", "WarmupLR", WarmupLRParams)
+WarmupDecayLRConfig = _typed("scheduler", "WarmupDecayLR", WarmupDecayLRParams)
+WarmupCosineConfig = _typed("scheduler", "WarmupCosine", WarmupCosineParams)
 
 
 # -------------------------------------------------------------------------------- the unions
