@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from jaxspeed.config.deepspeed import DEEPSPEED_RENAMED, _translate_deepspeed, _warn_dropped
@@ -256,12 +256,13 @@ def _sections_in(annotation: Any) -> list[type[BaseModel]]:
     return [model for arg in typing.get_args(annotation) for model in _sections_in(arg)]
 
 
-def validate_section(section: type[BaseModel], raw: Any, *, at: str) -> BaseModel:
-    """Validates one section on its own (`build_gpt` validates `model:` so), with
-    `load_config`'s messages and key paths under `at`.
+def validate_section(section: Any, raw: Any, *, at: str) -> Any:
+    """Validates one section on its own (`build_gpt` validates `model:`, `jaxspeed.optim` an
+    `optimizer:` or `scheduler:` so), with `load_config`'s messages and key paths under `at`.
 
     Args:
-      section: the section's model, e.g. `ModelConfig`.
+      section: the section's type: a model such as `ModelConfig`, or a union such as
+        `OptimizerConfig`.
       raw: a mapping, or an object whose attributes are the section's keys.
       at: the section's key in `Config`, e.g. "model".
 
@@ -269,7 +270,8 @@ def validate_section(section: type[BaseModel], raw: Any, *, at: str) -> BaseMode
       ConfigError: one message with every invalid key.
     """
     try:
-        return section.model_validate(raw, from_attributes=not isinstance(raw, Mapping))
+        return TypeAdapter(section).validate_python(
+            raw, from_attributes=not isinstance(raw, Mapping))
     except ValidationError as err:
         lines = [_describe({**error, "loc": (at, *error["loc"])}) for error in err.errors()]
         raise ConfigError(f"invalid {at}:\n  " + "\n  ".join(lines)) from None

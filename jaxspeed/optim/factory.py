@@ -20,6 +20,7 @@ import optax
 from pydantic import BaseModel
 
 from jaxspeed.config import Config, load_config
+from jaxspeed.config.loading import validate_section
 from jaxspeed.config.optimizer import DEFAULT_LR as DEFAULT_LR  # re-exported
 from jaxspeed.config.optimizer import OPTIMIZER_TYPES as OPTIMIZER_TYPES  # re-exported
 from jaxspeed.config.optimizer import (
@@ -29,9 +30,14 @@ from jaxspeed.config.optimizer import (
     LionParams,
     OneBitAdamConfig,
     OneBitAdamParams,
+    OptimizerConfig,
+    SchedulerConfig,
     SGDParams,
 )
 from jaxspeed.errors import ConfigError
+
+
+_SECTIONS = {"optimizer": OptimizerConfig, "scheduler": SchedulerConfig}
 
 
 def _raw(cfg: Any) -> Any:
@@ -52,7 +58,7 @@ def _typed(cfg: Any, section: str) -> Any:
     """
     if isinstance(cfg, BaseModel):
         return cfg
-    return getattr(load_config({section: _raw(cfg)}), section)
+    return validate_section(_SECTIONS[section], _raw(cfg), at=section)
 
 
 def base_learning_rate(optimizer_cfg) -> float:
