@@ -418,6 +418,7 @@ def test_deepspeed_json_loads_with_one_warning(tmp_path):
     path.write_text(json.dumps(DEEPSPEED_JSON))
     with pytest.warns(DeepSpeedOptionWarning) as record:
         cfg = load_config(path)
+    record = [w for w in record if w.category is DeepSpeedOptionWarning]
     assert len(record) == 1
     message = str(record[0].message)
     for key in (
@@ -459,7 +460,6 @@ def test_disabled_deepspeed_sections_and_default_values_are_dropped_silently():
         "flops_profiler": {"enabled": False},
         "prescale_gradients": False,
         "fp16": {"loss_scale": 0},
-        "train_batch_size": "auto",
     }
     with warnings.catch_warnings():
         warnings.simplefilter("error")

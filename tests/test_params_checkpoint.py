@@ -42,6 +42,19 @@ def test_round_trip_keeps_values_and_dtype(tmp_path, dtype):
     assert all(x.dtype == np.dtype(dtype) for x in jax.tree.leaves(back))
 
 
+def test_writing_leaves_another_writers_tmp_folder_and_nothing_on_failure(tmp_path):
+    theirs = tmp_path / "ckpt.tmp"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("mine")
+    save_params(tmp_path / "ckpt", params_tree(), model=MODEL)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.tmp"]
+    assert (theirs / "keep.txt").read_text() == "mine"
+    with pytest.raises(ValueError):  # a fill that fails half way
+        write_params(tmp_path / "bad", {"x": jax.ShapeDtypeStruct((2,), np.float32)},
+                     {"x": [lambda out: (_ for _ in ()).throw(ValueError("disk"))]}, model=MODEL)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.tmp"]
+
+
 def test_restore_reads_each_device_slice_into_the_sharding(tmp_path):
     params = params_tree()
     save_params(tmp_path / "ckpt", params, model=MODEL)

@@ -6,7 +6,9 @@
 and where they came from). A run that loads it starts at step 0 with a fresh optimizer. Each
 device reads only its own slices of each array, straight into the run's planned shardings
 (`jax.make_array_from_callback` over memory-mapped files), so a model larger than one device
-loads sharded, never gathered.
+loads sharded, never gathered. `with_checkpoint_model` makes the checkpoint's architecture
+the default of a run that loads it: the `model:` keys a config leaves out come from the
+record, and a key it sets must agree.
 
 Why `.npy` files and not Orbax, which writes the train checkpoints: these are the weights of a
 whole model converted in one go. A converter writes each array block by block (one layer at a
@@ -23,6 +25,7 @@ import functools
 import io
 import json
 import shutil
+import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -35,7 +38,10 @@ from flax import traverse_util
 
 from jaxspeed.checkpoint import direct_io
 from jaxspeed.checkpoint.state import CheckpointError
-from jaxspeed.config.model import FUNCTION, SHAPES, architecture_keys
+from jaxspeed.config.loading import replace_sections, validate_section
+from jaxspeed.config.model import CONTEXT, FUNCTION, SHAPES, ModelConfig, architecture_keys
+from jaxspeed.config.schema import Config
+from jaxspeed.errors import ConfigError
 
 RECORD = "jaxspeed_params.json"
 ARRAYS = "params"
@@ -92,25 +98,26 @@ def write_params(
     flat = {SEP.join(path): s for path, s in traverse_util.flatten_dict(shapes).items()}
     if set(blocks) != set(flat):
         raise ValueError(f"blocks name {sorted(blocks)}, the shapes {sorted(flat)}")
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / ARRAYS).mkdir(parents=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # a fresh folder beside `directory`, never another writer's: renamed into place when complete
+    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".partial"))
+    tmp = staging / directory.name
     try:
+        (tmp / ARRAYS).mkdir(parents=True)
         for name, s in flat.items():
             _write_npy(tmp / ARRAYS / f"{name}.npy", s, blocks[name])
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    dtypes = sorted({str(np.dtype(s.dtype)) for s in flat.values()})
-    record = {
-        "format": FORMAT, "model": dict(model), "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-        "arrays": {k: {"shape": list(s.shape), "dtype": str(np.dtype(s.dtype))} for k, s in flat.items()},
-        **dict(extra or {}),
-    }
-    (tmp / RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    if directory.exists():
-        directory.rmdir()
-    tmp.rename(directory)
+        dtypes = sorted({str(np.dtype(s.dtype)) for s in flat.values()})
+        record = {
+            "format": FORMAT, "model": dict(model), "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+            "arrays": {k: {"shape": list(s.shape), "dtype": str(np.dtype(s.dtype))} for k, s in flat.items()},
+            **dict(extra or {}),
+        }
+        (tmp / RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        if directory.exists():
+            directory.rmdir()
+        tmp.rename(directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return directory
 
 
@@ -151,6 +158,8 @@ def read_record(directory: str | Path) -> dict[str, Any]:
     """The JSON record of a params checkpoint (`model`, `dtype`, `arrays`, and what its writer
     added)."""
     path = Path(directory) / RECORD
+    if not Path(directory).exists():
+        raise CheckpointError(f"{directory} does not exist")
     if not path.is_file():
         raise CheckpointError(
             f"{directory} is not a params checkpoint (no {RECORD}); write one with "
@@ -236,6 +245,10 @@ def _name(path) -> str:
 def check_model(saved: Mapping[str, Any], model: Any, *, source: str) -> None:
     """Refuses a run whose `model:` section shapes params differently from the checkpoint's.
 
+    A differing function key (`rope_theta`, `rms_norm_eps`, ...) is warned about in one line:
+    `with_checkpoint_model` refuses those before a run starts; this is for callers that did
+    not use it.
+
     Args:
       saved: the checkpoint's `model:` keys.
       model: the run's `model:` section (`jaxspeed.config.ModelConfig`).
@@ -255,8 +268,63 @@ def check_model(saved: Mapping[str, Any], model: Any, *, source: str) -> None:
         if key in saved and saved[key] != run.get(key):
             warnings.warn(
                 f"checkpoint.load_from={source}: model.{key} is {saved[key]!r} in the checkpoint "
-                f"but {run.get(key)!r} in this run", stacklevel=2,
+                f"but {run.get(key)!r} in this run; training with this run's value (leave "
+                f"model.{key} out of the config to take the checkpoint's)", stacklevel=2,
             )
+
+
+def with_checkpoint_model(config: Config) -> Config:
+    """`config` with the architecture keys its `model:` leaves out taken from the record of
+    its `checkpoint.load_from` (the config unchanged when it loads nothing).
+
+    A key the config sets ("set": in the YAML/JSON, the mapping or an override; pydantic's
+    `model_fields_set`) must agree with the checkpoint, except `max_seq_len` of a rotary model
+    (a longer or shorter context reuses the same params). When `data.seq_len` is not set
+    either and is longer than the checkpoint's `max_seq_len`, it becomes that length. Call it
+    before building anything: it reads only the record.
+
+    Raises:
+      CheckpointError: `checkpoint.load_from` does not exist or is not a params checkpoint.
+      ConfigError: a key the config sets differs from the checkpoint's; every such key, both
+        values and the checkpoint are named.
+    """
+    source = config.checkpoint.load_from
+    if source is None:
+        return config
+    if not Path(source).exists():
+        raise CheckpointError(
+            f"checkpoint.load_from={source} does not exist; give a params checkpoint (a folder "
+            "written by `jaxspeed import-hf`)"
+        )
+    record = read_record(source)
+    saved = {k: v for k, v in record["model"].items() if k in architecture_keys()}
+    theirs = validate_section(ModelConfig, saved, at=f"model (the record of {source})")
+    model, given = config.model, config.model.model_fields_set
+
+    def value(m, key: str) -> Any:
+        v = (m.n_kv_heads or m.n_heads) if key == "n_kv_heads" else getattr(m, key)
+        return v.model_dump() if hasattr(v, "model_dump") else v
+
+    free = set(architecture_keys(CONTEXT)) if theirs.positions != "learned" else set()
+    conflicts = [
+        f"model.{key}: the config sets {value(model, key)!r}, the checkpoint has {value(theirs, key)!r}"
+        for key in saved if key in given - free and value(model, key) != value(theirs, key)
+    ]
+    if conflicts:
+        raise ConfigError(
+            f"checkpoint.load_from={source} holds another model than the config's: "
+            + "; ".join(conflicts) + " (leave these keys out of model: to train the checkpoint's)"
+        )
+    taken = {key: saved[key] for key in saved if key not in given}
+    if not taken:
+        return config
+    why = f"the model of checkpoint.load_from={source}"
+    new_model = validate_section(
+        ModelConfig, {**model.model_dump(include=given), **taken}, at=f"model (with {why})")
+    sections = {"model": new_model}
+    if "seq_len" not in config.data.model_fields_set and config.data.seq_len > new_model.max_seq_len:
+        sections["data"] = config.data.model_copy(update={"seq_len": new_model.max_seq_len})
+    return replace_sections(config, why=why, **sections)
 
 
 def start_from(engine, directory: str | Path, rng: jax.Array):

@@ -2,7 +2,9 @@
 
 This module owns every subcommand's flags and help text (`build_parser`), and turns the
 shared config flags (`config`, `--set`, `--device-memory`) into a validated config
-(`load_config_args`). It imports no JAX: the flags are read before JAX starts.
+(`load_config_args`). It imports no JAX: the flags are read before JAX starts
+(`load_config_args`, which may read a `checkpoint.load_from` record, runs inside a command,
+after the settings that must precede JAX).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML or JSON config (jaxspeed or DeepSpeed keys)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config key, e.g. --set zero_optimization.stage=3 (repeatable)",
+        help="override a config key, e.g. --set zero_optimization.stage=3 (repeatable; VALUE "
+        "is read as YAML; DeepSpeed's key names work too)",
     )
     parser.add_argument(
         "--cpu-devices", type=int, default=None, metavar="N",
@@ -44,9 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train the reference GPT described by a config")
     _common(train)
-    train.add_argument("--steps", type=int, default=None, help="total steps (default: config steps)")
+    train.add_argument("--steps", type=int, default=None,
+                       help="total steps (same as --set steps=N; default: the config's steps)")
     train.add_argument("--output", default="runs/latest", help="run directory (metrics.jsonl)")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-progress", action="store_true",
+                       help="no progress output (bar, plain lines or start-up phases)")
     train.add_argument(
         "--force", action="store_true", help="start even if the plan does not fit device memory"
     )
@@ -61,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train_batch_size are kept)",
     )
     plan.add_argument("--cluster", default=None, metavar="NAME|FILE",
-                      help="a preset in configs/clusters/ or a cluster YAML (`jaxspeed "
+                      help="a preset (jaxspeed/autoplan/clusters/) or a cluster YAML (`jaxspeed "
                       "calibrate` writes one for this machine); a preset that names its GPU "
                       "implies --target and --devices")
     plan.add_argument(
@@ -76,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --auto: compile the K analytically best plans (0: analytic only)")
     plan.add_argument("--apply", default=None, metavar="OUT.yaml",
                       help="with --auto: write the best plan as a config for `jaxspeed train`")
-    plan.add_argument("--no-progress", action="store_true", help="with --auto: no progress bar")
+    plan.add_argument("--no-progress", action="store_true", help="with --auto: no progress output")
 
     calibrate = sub.add_parser(
         "calibrate", help="measure this machine's matmul rate and collective bandwidth into a cluster file"
@@ -101,15 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export", help="write a checkpoint's params, consolidated, for one device (zero_to_fp32)"
     )
-    export.add_argument("checkpoint", help="checkpoint directory, e.g. runs/x/checkpoints")
+    export.add_argument("checkpoint", help="a run's folder (runs/x) or its checkpoint directory")
     export.add_argument(
         "--out", required=True,
-        help="output file (.msgpack, Flax serialization), or folder with --format hf",
+        help="output file (.msgpack, Flax serialization), or folder with --format hf "
+        "(it must not exist, or be empty)",
     )
     export.add_argument("--step", type=int, default=None, help="default: the newest complete one")
     export.add_argument(
         "--format", choices=("msgpack", "hf"), default="msgpack",
-        help="msgpack: Flax serialization (default); hf: a Hugging Face Llama folder "
+        help="msgpack: Flax serialization (default); hf: a Hugging Face Llama, Mistral or Qwen2 folder "
         "(config.json + safetensors) for transformers' from_pretrained",
     )
     export.add_argument(
@@ -118,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     import_hf = sub.add_parser(
-        "import-hf", help="convert a Hugging Face Llama folder to a checkpoint (checkpoint.load_from)"
+        "import-hf",
+        help="convert a Hugging Face Llama, Mistral or Qwen2 folder to a checkpoint (checkpoint.load_from)",
     )
     import_hf.add_argument("folder", help="config.json + *.safetensors (sharded with an index, or not)")
     import_hf.add_argument("--out", required=True, help="the checkpoint folder to write")
@@ -135,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_argument("--out", required=True, help="token file to write (.npy, or raw .bin)")
     tokenize.add_argument("--text-key", default="text", help="jsonl field / parquet column (default text)")
     tokenize.add_argument("--eos-id", type=int, default=None, help="default: the tokenizer's EOS token")
-    tokenize.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tokenize.add_argument("--no-progress", action="store_true", help="no progress output")
 
     tokenizer = sub.add_parser("tokenizer", help="tokenizer tools")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
@@ -149,14 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
         "sample", help="continue a prompt with a trained checkpoint (key/value cache)"
     )
     sample.add_argument("checkpoint",
-                        help="a run's checkpoints (runs/x/checkpoints) or an import-hf folder")
+                        help="a run's folder (runs/x), its checkpoints/, or an import-hf folder")
     sample.add_argument("--prompt", required=True, help="the text to continue")
     sample.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     sample.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     sample.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--tokenizer", default=None,
-                        help="tokenizer.json (default: bytes, token = byte value)")
+                        help="tokenizer.json (default: the run's data.tokenizer, else the imported "
+                        "folder's tokenizer.json, else bytes)")
     sample.add_argument("--step", type=int, default=None, help="default: the newest complete one")
     sample.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                         help="run on N emulated CPU devices")
@@ -188,10 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_config_args(args):
-    """The config named by `args.config`, with `--set` and `--device-memory` applied."""
+    """The config named by `args.config`, with `--set`, `--device-memory` and `--steps` applied,
+    and the model of its `checkpoint.load_from` where its `model:` leaves keys out.
+
+    An error names the flag that caused it (`invalid --set optimizer.params.lr=abc: ...`), else
+    the config file.
+    """
     from jaxspeed.config import load_config
 
-    overrides = list(args.overrides)
+    overrides = [(text, f"--set {text}") for text in args.overrides]
     if args.device_memory is not None:
-        overrides.append(f"hardware.device_memory={args.device_memory}")
-    return load_config(args.config, overrides=overrides)
+        overrides.append((f"hardware.device_memory={args.device_memory}",
+                          f"--device-memory {args.device_memory}"))
+    if (getattr(args, "steps", None) or 0) >= 1:  # so "auto" total_num_steps follows it
+        overrides.append((f"steps={args.steps}", f"--steps {args.steps}"))
+    config = load_config(args.config, overrides=[text for text, _ in overrides],
+                         override_names=[name for _, name in overrides])
+    if config.checkpoint.load_from is None:
+        return config
+    from jaxspeed.checkpoint.params import with_checkpoint_model
+
+    return with_checkpoint_model(config)  # reads the record only: before anything compiles

@@ -14,6 +14,7 @@ Modules:
 * `units`: `parse_bytes` (`"80GiB"` → bytes);
 * `sizes`: `resolve_batch` (the batch sizes a config and a data-parallel size imply);
 * `deepspeed`: the DeepSpeed key tables and `from_deepspeed`;
+* `deepspeed_auto`: DeepSpeed's (Hugging Face Trainer's) `"auto"` values, filled in;
 * `loading`: `load_config`, `apply_overrides`, and the one-`ConfigError` error messages;
 * `key_paths`: dotted key paths into nested dicts (used by `deepspeed` and `loading`).
 
@@ -22,7 +23,6 @@ the layers' own rules); nothing in this package imports `models`, `train` or any
 """
 
 from jaxspeed.config.deepspeed import (
-    DEEPSPEED_AUTO_MEANS_UNSET,
     DEEPSPEED_DEFAULT_ONLY,
     DEEPSPEED_FLAGS,
     DEEPSPEED_IGNORED,
@@ -32,7 +32,8 @@ from jaxspeed.config.deepspeed import (
     DeepSpeedOptionWarning,
     from_deepspeed,
 )
-from jaxspeed.config.loading import apply_overrides, load_config
+from jaxspeed.config.deepspeed_auto import DEEPSPEED_AUTO_MEANS_UNSET, DeepSpeedAutoWarning
+from jaxspeed.config.loading import DefaultSectionsWarning, apply_overrides, load_config
 from jaxspeed.config.model import (
     AttentionConfig,
     ModelConfig,
@@ -85,7 +86,9 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "DataConfig",
+    "DeepSpeedAutoWarning",
     "DeepSpeedOptionWarning",
+    "DefaultSectionsWarning",
     "Fp16Config",
     "HardwareConfig",
     "LoggingConfig",

@@ -6,7 +6,10 @@ before validation (a jaxspeed config passes unchanged) and
 * moves keys that jaxspeed names or places differently (`DEEPSPEED_RENAMED`, `DEEPSPEED_FLAGS`);
 * drops performance knobs that XLA makes moot, with one warning (`DEEPSPEED_IGNORED`);
 * collects every DeepSpeed feature jaxspeed does not implement into one `ConfigError`
-  (`DEEPSPEED_UNSUPPORTED`, `DEEPSPEED_UNSUPPORTED_VALUES`, `DEEPSPEED_DEFAULT_ONLY`).
+  (`DEEPSPEED_UNSUPPORTED`, `DEEPSPEED_UNSUPPORTED_VALUES`, `DEEPSPEED_DEFAULT_ONLY`);
+  `load_config` lists them with the config's other errors, in one message.
+
+Hugging Face's `"auto"` values are filled in after the translation (`deepspeed_auto`).
 
 A DeepSpeed section that says ``enabled: false`` is dropped silently, whatever table it is in.
 Keys in the tables are dotted paths from the config root.
@@ -19,7 +22,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxspeed.config.key_paths import _MISSING, _insert, _lookup, _plain, _remove
+from jaxspeed.config.key_paths import _MISSING, Problem, _insert, _lookup, _plain, _remove
 from jaxspeed.errors import ConfigError
 
 #: DeepSpeed key → jaxspeed key with the same meaning (a whole subtree moves).
@@ -47,15 +50,6 @@ DEEPSPEED_FLAGS: Mapping[str, tuple[str, Any]] = types.MappingProxyType(
             ("zero_optimization.offload_param.device", "cpu"),
     }
 )  # fmt: skip
-#: Batch-size keys whose value "auto" (Hugging Face's DeepSpeed configs) means "derive it".
-DEEPSPEED_AUTO_MEANS_UNSET: frozenset[str] = frozenset(
-    {
-        "train_batch_size",
-        "train_micro_batch_size_per_gpu",
-        "train_micro_batch_size_per_device",
-        "gradient_accumulation_steps",
-    }
-)
 _OFFLOAD_KNOBS = ("buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write",
                   "fast_init", "nvme_path")  # fmt: skip
 #: Performance and diagnostics knobs that XLA makes moot: dropped with one warning.
@@ -139,33 +133,18 @@ def from_deepspeed(raw: Mapping[str, Any]) -> dict[str, Any]:
     Warns:
       DeepSpeedOptionWarning: once, naming every option that was dropped as moot.
     """
-    tree, dropped = _translate_deepspeed(raw)
+    tree, dropped, problems = _translate_deepspeed(raw)
+    if problems:
+        raise ConfigError("; ".join(problem.text for problem in problems))
     _warn_dropped(dropped, stacklevel=3)
     return tree
 
 
-def _translate_deepspeed(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """`from_deepspeed` without the warning: the new tree and the dropped keys."""
-    tree = _plain(raw)
-    for key in DEEPSPEED_AUTO_MEANS_UNSET:
-        if _lookup(tree, key) == "auto":
-            _remove(tree, key)
-    conflicts = _move_renamed(tree)
-    _apply_flags(tree)
-    unsupported = _find_unsupported(tree)
-    if unsupported or conflicts:
-        parts = []
-        if unsupported:
-            parts.append(
-                "DeepSpeed options that jaxspeed does not support (remove them from the config):"
-                + "".join(f"\n  {line}" for line in unsupported)
-            )
-        if conflicts:
-            parts.append(
-                "DeepSpeed keys that contradict their jaxspeed names (give only one):"
-                + "".join(f"\n  {line}" for line in conflicts)
-            )
-        raise ConfigError("\n".join(parts))
+def _translate_deepspeed(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], list[Problem]]:
+    """`from_deepspeed` without the warning and the error: the new tree (without the
+    unsupported options), the dropped keys and the problems found."""
+    tree, conflicts = _rename_deepspeed(raw)
+    problems = _find_unsupported(tree) + conflicts
     dropped = []
     for key in sorted(DEEPSPEED_IGNORED):
         value = _lookup(tree, key)
@@ -173,11 +152,20 @@ def _translate_deepspeed(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[s
             _remove(tree, key)
             if not _is_disabled(value):
                 dropped.append(key)
-    return tree, dropped
+    return tree, dropped, problems
 
 
-def _move_renamed(tree: dict[str, Any]) -> list[str]:
-    """Moves `DEEPSPEED_RENAMED` keys in place; returns the contradictions found."""
+def _rename_deepspeed(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
+    """A copy of `raw` with the renamed keys and the flags moved; the contradictions found."""
+    tree = _plain(raw)
+    conflicts = _move_renamed(tree)
+    _apply_flags(tree)
+    return tree, conflicts
+
+
+def _move_renamed(tree: dict[str, Any]) -> list[Problem]:
+    """Moves `DEEPSPEED_RENAMED` keys in place; returns the contradictions found (the jaxspeed
+    key's value is kept)."""
     conflicts = []
     for ds_key, js_key in DEEPSPEED_RENAMED.items():
         value = _lookup(tree, ds_key)
@@ -186,7 +174,9 @@ def _move_renamed(tree: dict[str, Any]) -> list[str]:
         _remove(tree, ds_key)
         existing = _lookup(tree, js_key)
         if existing is not _MISSING and existing != value:
-            conflicts.append(f"{ds_key}={value!r} vs {js_key}={existing!r}")
+            conflicts.append(Problem(js_key, (
+                f"{ds_key}={value!r} vs {js_key}={existing!r}: DeepSpeed's name and "
+                "jaxspeed's contradict (give only one)")))
         else:
             _insert(tree, js_key.split("."), value, what=ds_key)
     return conflicts
@@ -203,27 +193,32 @@ def _apply_flags(tree: dict[str, Any]) -> None:
             _insert(tree, js_key.split("."), js_value, what=flag)
 
 
-def _find_unsupported(tree: dict[str, Any]) -> list[str]:
-    """Lists unsupported DeepSpeed options; drops disabled sections and default-only keys."""
+def _find_unsupported(tree: dict[str, Any]) -> list[Problem]:
+    """Removes and lists the unsupported DeepSpeed options; drops disabled sections and
+    default-only keys at their supported value."""
     found = []
+    unsupported = "is a DeepSpeed option that jaxspeed does not support (remove it"
     for key in sorted(DEEPSPEED_UNSUPPORTED):
         value = _lookup(tree, key)
-        if _is_disabled(value):
+        if value is not _MISSING:
             _remove(tree, key)
-        elif value is not _MISSING:
-            found.append(key)
+            if not _is_disabled(value):
+                found.append(Problem(key, f"{key} {unsupported} or set {key}.enabled: false)"))
     for key, bad in DEEPSPEED_UNSUPPORTED_VALUES.items():
         value = _lookup(tree, key)
         if isinstance(value, str) and value in bad:
-            found.append(f"{key}: {value!r}")
+            _remove(tree, key)
+            found.append(Problem(key, f"{key}: {value!r} {unsupported})"))
     for key, fine in DEEPSPEED_DEFAULT_ONLY.items():
         value = _lookup(tree, key)
         if value is _MISSING:
             continue
-        if value in fine:
-            _remove(tree, key)
-        else:
-            found.append(f"{key}: {value!r} (only {', '.join(map(repr, fine))} is supported)")
+        _remove(tree, key)
+        if value not in fine:
+            accepted = " or ".join(map(repr, fine))
+            found.append(Problem(key, (
+                f"{key}: {value!r} {unsupported}; only {accepted}, jaxspeed's behaviour, "
+                "is supported)")))
     return found
 
 
@@ -238,4 +233,5 @@ def _warn_dropped(dropped: Sequence[str], *, stacklevel: int) -> None:
 
 
 def _is_disabled(value: Any) -> bool:
+    """A section that says `enabled: false`."""
     return isinstance(value, Mapping) and value.get("enabled") is False

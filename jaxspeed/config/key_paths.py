@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxspeed.errors import ConfigError
 
 #: What `_lookup` returns for a path that is not in the tree (None is a value a key can hold).
 _MISSING = object()
+
+
+class Problem(NamedTuple):
+    """One thing wrong with a config: where (a dotted key path, "" for the whole config) and
+    a message that names it."""
+
+    path: str
+    text: str
 
 
 def _plain(tree: Any) -> Any:
