@@ -130,3 +130,27 @@ def test_offload_puts_state_in_host_memory_kinds():
     assert {s.memory_kind for s in jax.tree.leaves(opt)} == {"pinned_host"}
     with pytest.raises(ValueError, match="stage 3"):
         plan_sharding(PARAMS, LOGICAL, mesh, stage=2, offload_params=True)
+
+
+def test_zero_shards_an_embedding_on_its_vocab_rows_beside_tensor():
+    """With tensor on `vocab`, ZeRO joins it on the rows, not the embed columns: a column-sharded
+    embedding gradient made XLA rematerialize the batch-sharded gradient in full."""
+    spec, note = zero_spec(P("tensor", None), (256, 64), MESH_SHAPE, logical=("vocab", "embed"))
+    assert spec == P(("data", "tensor"), None) and note == ""
+
+
+def test_shipped_tensor_zero3_config_compiles_without_full_rematerialization():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxspeed.cli", "plan", "configs/gpt_tp2_zero3.yaml", "--cpu-devices", "8",
+         "--set", "model.n_layers=1"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-2000:]

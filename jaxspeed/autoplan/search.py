@@ -34,11 +34,12 @@ import jax
 
 from jaxspeed.autoplan import comm
 from jaxspeed.autoplan.estimate import Estimate, estimate
-from jaxspeed.autoplan.space import OFFLOAD, ON_HOST, Candidate, candidates
+from jaxspeed.autoplan.space import OFFLOAD, ON_HOST, Candidate, candidates, why_no_plan
 from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.cost.memory import COMPILED_GPU
 from jaxspeed.ops.precision import compute_dtype
+from jaxspeed.runtime.progress import Progress, phase
 from jaxspeed.cost.flops import roofline_seconds
 from jaxspeed.cost.hlo import collectives
 
@@ -172,6 +173,29 @@ def _to_verify(fitting: list[tuple[Estimate, Candidate]], verify: int) -> list[t
     return order[:verify]
 
 
+def _compile_best(config: Config, cluster: Any, chosen: list[tuple[Estimate, Candidate]],
+                  devices: list[jax.Device], *, progress: bool) -> list[Ranked]:
+    """The compiled cost of each chosen plan that the engine builds and that fits the cluster.
+
+    Each compile takes seconds to minutes: without a terminal a heartbeat line (`phase`) and
+    the count so far, with the last plan compiled, show every `JAXSPEED_PROGRESS_SECONDS`."""
+    compiled: list[Ranked] = []
+    if not chosen:
+        return compiled
+    with phase(f"plan --auto: compiling the {len(chosen)} best plans", enabled=progress), \
+            Progress(len(chosen), desc="plan --auto: compiled", unit="plan", enabled=progress) as bar:
+        for _, plan in chosen:
+            try:
+                cost = compiled_cost(config, plan, cluster, devices)
+            except ConfigError:  # a combination the engine refuses that the space let through
+                cost = None
+            if cost is not None and cost.device_bytes <= cluster.device_memory_bytes:
+                compiled.append(cost)
+            bar.set_postfix(last=plan.describe())
+            bar.update()
+    return compiled
+
+
 def search(
     config: Config, cluster: Any, *, top: int = 5, verify: int = 8,
     devices: Sequence[jax.Device] | None = None, progress: bool = True,
@@ -184,21 +208,23 @@ def search(
       top: plans to return.
       verify: how many of the analytically fastest to compile (0: analytic only).
       devices: devices to compile on (default `jax.devices()`).
-      progress: a progress bar over the costing and the compiles.
+      progress: progress on stderr over the costing and the compiles (`runtime.progress`: a
+        bar on a terminal, else a line every `JAXSPEED_PROGRESS_SECONDS`).
 
     Raises:
       NoPlanFits: no legal plan fits, naming the closest and its shortfall.
     """
-    from rich.progress import track
-
     plans = list(candidates(config, cluster.devices, cluster.devices_per_host))
     if not plans:
         raise ConfigError(
             f"no legal plan for this model on {cluster.devices} devices ({cluster.devices_per_host} "
-            "per host): check heads, layers and train_batch_size against the device counts"
+            f"per host): {why_no_plan(config, cluster.devices, cluster.devices_per_host)}"
         )
-    costed = [(estimate(config, p, cluster), p)
-              for p in track(plans, description="costing plans", disable=not progress)]
+    with Progress(len(plans), desc="plan --auto: costing plans", unit="plan", enabled=progress) as bar:
+        costed = []
+        for p in plans:
+            costed.append((estimate(config, p, cluster), p))
+            bar.update()
     fitting = sorted(((e, p) for e, p in costed if _fits(e, cluster)), key=lambda ep: ep[0].step_s)
     # Offload buys room, not speed: offer it only where the same plan with less offloaded
     # (OFFLOAD's order) does not fit
@@ -214,15 +240,7 @@ def search(
             f"(short by {(est.device_bytes - cluster.device_memory_bytes) / 2**30:.1f} GiB)"
         )
     devices = list(devices if devices is not None else jax.devices())
-    compiled: list[Ranked] = []
-    for est, plan in track(_to_verify(fitting, verify), description="compiling the best",
-                           disable=not progress or not verify):
-        try:
-            cost = compiled_cost(config, plan, cluster, devices)
-        except ConfigError:  # a combination the engine refuses that the space let through
-            continue
-        if cost is not None and cost.device_bytes <= cluster.device_memory_bytes:
-            compiled.append(cost)
+    compiled = _compile_best(config, cluster, _to_verify(fitting, verify), devices, progress=progress)
     # Compiled and analytic times are not comparable (only the compiled roofline sees memory
     # traffic), so compiled plans rank first; plans too large to emulate here follow them.
     analytic = [

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 
 from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError
@@ -89,29 +90,88 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(config: Config, devices: int, devices_per_host: int) -> Iterator[dict[str, int]]:
-    """Every legal mesh for the model on `devices` (see the module docstring)."""
+_Mesh = dict[str, int]
+
+
+def _rules(config: Config, devices_per_host: int) -> list[tuple[str, Callable[[_Mesh], bool], str]]:
+    """The rules a legal mesh keeps (see the module docstring), in the order `meshes` applies
+    them: each as (its words, its test, the quantity it constrains)."""
     model = config.model
     heads, kv = model.n_heads, model.n_kv_heads or model.n_heads
     experts = model.moe.num_experts if model.moe else 1
-    batch = config.train_batch_size
+    seq_len, batch = config.data.seq_len, config.train_batch_size
     onebit = config.optimizer.type == "OneBitAdam"
-    for tensor, expert, sequence in itertools.product(_divisors(devices_per_host), repeat=3):
+
+    def inner(m: _Mesh) -> int:
+        return m["tensor"] * m["expert"] * m["sequence"]
+
+    def sequence_ok(m: _Mesh) -> bool:
+        return m["sequence"] == 1 or not (model.moe or onebit or seq_len % m["sequence"]
+                                          or heads // m["tensor"] % m["sequence"])
+
+    rules = [
+        (f"tensor x expert x sequence must divide the {devices_per_host} devices per host",
+         lambda m: devices_per_host % inner(m) == 0, "tensor x expert x sequence"),
+        (f"tensor must divide n_heads={heads}, n_kv_heads={kv} and d_ff={model.d_ff}",
+         lambda m: not (heads % m["tensor"] or kv % m["tensor"] or model.d_ff % m["tensor"]), "tensor"),
+        (f"expert must divide moe.num_experts={experts}", lambda m: experts % m["expert"] == 0, "expert"),
+        (f"sequence > 1 needs a dense model, no 1-bit Adam, and a sequence degree dividing "
+         f"data.seq_len={seq_len} and n_heads / tensor", sequence_ok, "sequence"),
+        (f"pipe must divide n_layers={model.n_layers}", lambda m: model.n_layers % m["pipe"] == 0, "pipe"),
+        ("sequence and pipe cannot both be > 1", lambda m: m["sequence"] == 1 or m["pipe"] == 1, "sequence x pipe"),
+    ]
+    if batch is not None:
+        rules.append((f"data x expert must divide train_batch_size={batch}",
+                      lambda m: batch % (m["data"] * m["expert"]) == 0, "data x expert"))
+    return rules
+
+
+def _quantity(name: str, mesh: _Mesh) -> int:
+    """`"data x expert"` of a mesh: the product of the named axes."""
+    return math.prod(mesh[axis] for axis in name.split(" x "))
+
+
+def _factorisations(config: Config, devices: int, devices_per_host: int) -> Iterator[_Mesh]:
+    """Every mesh of `devices` whose inner axes each divide the devices per host (a dense model:
+    `expert` = 1); `_rules` decides which are legal."""
+    inners = _divisors(devices_per_host)
+    for tensor, expert, sequence in itertools.product(inners, inners if config.model.moe else (1,), inners):
         inner = tensor * expert * sequence
-        if devices_per_host % inner or devices % inner:
-            continue
-        if heads % tensor or kv % tensor or model.d_ff % tensor or experts % expert:
-            continue
-        if sequence > 1 and (model.moe or onebit or config.data.seq_len % sequence
-                             or heads // tensor % sequence):
+        if devices % inner:
             continue
         for pipe in _divisors(devices // inner):
             data = devices // inner // pipe
-            if model.n_layers % pipe or (sequence > 1 and pipe > 1):
-                continue
-            if batch is not None and batch % (data * expert):
-                continue
             yield {"pipe": pipe, "data": data, "sequence": sequence, "expert": expert, "tensor": tensor}
+
+
+def meshes(config: Config, devices: int, devices_per_host: int) -> Iterator[_Mesh]:
+    """Every legal mesh for the model on `devices` (see the module docstring)."""
+    rules = _rules(config, devices_per_host)
+    for mesh in _factorisations(config, devices, devices_per_host):
+        if all(ok(mesh) for _, ok, _ in rules):
+            yield mesh
+
+
+def why_no_plan(config: Config, devices: int, devices_per_host: int) -> str:
+    """Why `candidates` yields nothing: the rule that removes the last meshes, what the meshes
+    the other rules allow have instead, and which single rules, relaxed, would leave a plan."""
+    rules = _rules(config, devices_per_host)
+    left = list(_factorisations(config, devices, devices_per_host))
+    for i, (words, ok, quantity) in enumerate(rules):
+        kept = [m for m in left if ok(m)]
+        if kept:
+            left = kept
+            continue
+        values = sorted({_quantity(quantity, m) for m in left})
+        relaxed = [w for j, (w, _, _) in enumerate(rules[:i]) if any(
+            all(o(m) for k, (_, o, _) in enumerate(rules) if k != j)
+            for m in _factorisations(config, devices, devices_per_host))]
+        hint = f"; relaxing one of these would leave a mesh: {'; '.join(relaxed)}" if relaxed else ""
+        return f"{words}, but every mesh the other rules allow has {quantity} in {values}{hint}"
+    pipes = sorted({m["pipe"] for m in left})
+    return (f"every legal mesh is a pipeline (pipe in {pipes}), and a pipeline needs at least as many "
+            f"microbatches as stages: train_batch_size={config.train_batch_size} / (data x expert) "
+            "must be >= pipe")
 
 
 def candidates(config: Config, devices: int, devices_per_host: int) -> Iterator[Candidate]:

@@ -5,7 +5,10 @@ that must precede any JAX computation, and hands the arguments to the command's 
 (`run.py`: train, bench, launch; `plan.py`: plan, calibrate; `checkpoints.py`: export,
 import-hf, sample; `data.py`: tokenize, tokenizer). JAX is imported only after the flags are
 read, so `--cpu-devices` can still set the number of emulated CPU devices. Errors caused by
-input are printed as one line, with exit code 2.
+input are printed as one line, with exit code 2; warnings as one line each
+(`warning_lines.py`); Ctrl-C outside the training steps (start-up, compiling, a search) as
+one line, with exit code 130 (during the steps the training loop saves first and exits
+128 + the signal's number).
 """
 
 from __future__ import annotations
@@ -14,11 +17,25 @@ import sys
 
 from jaxspeed.cli import checkpoints, data, plan, run
 from jaxspeed.cli.parser import build_parser
+from jaxspeed.cli.warning_lines import one_line
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C stopped
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one `jaxspeed` command; returns its process exit code."""
     args = build_parser().parse_args(argv)
+    with one_line(args.command):
+        try:
+            return _run(args)
+        except KeyboardInterrupt:
+            saved = " (nothing saved)" if args.command == "train" else ""
+            print(f"jaxspeed {args.command}: interrupted{saved}", file=sys.stderr, flush=True)
+            return INTERRUPTED
+
+
+def _run(args) -> int:
+    """`main` after the flags are read: the command, its input errors as one line, exit 2."""
     from jaxspeed.errors import JaxspeedError
     from jaxspeed.runtime.host_allocator import keep_freed_memory
 

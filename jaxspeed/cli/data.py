@@ -8,7 +8,6 @@ tokenizer on such files.
 from __future__ import annotations
 
 import json
-import sys
 
 
 def tokenize_command(args) -> int:
@@ -17,7 +16,7 @@ def tokenize_command(args) -> int:
 
     result = tokenize_files(
         args.files, tokenizer_path=args.tokenizer, out=args.out, text_key=args.text_key,
-        eos_id=args.eos_id, progress=not args.no_progress and sys.stderr.isatty(),
+        eos_id=args.eos_id, progress=not args.no_progress,
     )
     print(json.dumps(result))
     return 0

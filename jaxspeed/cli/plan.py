@@ -92,13 +92,13 @@ def plan_command(args) -> int:
 
 def _auto_plan(args) -> int:
     """`plan --auto`: prints the cluster's plans, ranked (`--apply`: writes the best)."""
-    from jaxspeed.autoplan.cluster import load_cluster
+    from jaxspeed.autoplan.cluster import available_presets, load_cluster
     from jaxspeed.autoplan.report import format_table, to_dict, write_config
     from jaxspeed.autoplan.search import search
     from jaxspeed.errors import JaxspeedError
 
     if args.cluster is None:
-        raise JaxspeedError("plan --auto needs --cluster NAME|FILE (see configs/clusters/)")
+        raise JaxspeedError(f"plan --auto needs --cluster NAME|FILE (presets: {', '.join(available_presets())})")
     cluster = load_cluster(args.cluster)
     config = load_config_args(args)
     devices, note = _auto_devices(cluster, args.devices, args.target)

@@ -4,7 +4,7 @@ Owns the byte-level datasets (`dataset`: the standard library's source, or local
 files (`token_files`), tokenizing text with a `tokenizer.json` (`text_tokens`), packing
 documents into rows (`packing`) and the Grain pipeline over them (`grain_loader`).
 
-May import: `jaxspeed.errors`. Nothing here knows about meshes, models or the train step.
+May import: `jaxspeed.errors`, `jaxspeed.runtime.progress`. Nothing here knows about meshes, models or the train step.
 """
 
 from jaxspeed.data.dataset import SOURCES, SPLITS, VOCAB_SIZE, TokenDataset, load_text_bytes, make_global_batch

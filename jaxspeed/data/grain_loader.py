@@ -20,6 +20,7 @@ from jaxspeed.data import text_tokens
 from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.data.packing import make_example
 from jaxspeed.data.token_files import TokenRows, open_token_file
+from jaxspeed.runtime.progress import Progress
 
 if TYPE_CHECKING:  # imported where used: byte-corpus runs never load Grain
     import grain
@@ -28,8 +29,18 @@ SPLITS = ("train", "eval")
 _MAX_SCAN = 1 << 26  # tokens per chunk when scanning a token file for its largest id
 
 
-def _largest_id(files: Sequence[np.ndarray]) -> int:
-    return max(int(f[i : i + _MAX_SCAN].max()) for f in files for i in range(0, len(f), _MAX_SCAN))
+def _largest_id(files: Sequence[np.ndarray], *, progress: bool = False) -> int:
+    """The largest token id in `files`, read through once (minutes for billions of tokens:
+    `progress` reports the tokens read, see `jaxspeed.runtime.progress`)."""
+    largest = 0
+    with Progress(sum(len(f) for f in files), desc="checking token ids", unit="token",
+                  unit_scale=True, enabled=progress) as bar:
+        for f in files:
+            for i in range(0, len(f), _MAX_SCAN):
+                chunk = f[i : i + _MAX_SCAN]
+                largest = max(largest, int(chunk.max()))
+                bar.update(len(chunk))
+    return largest
 
 
 class GrainTokenDataset:
@@ -88,7 +99,7 @@ class GrainTokenDataset:
         if data_cfg.source == "tokens":
             names = text_tokens.expand_files(paths, suffixes=(".npy", ".bin"))
             files = [open_token_file(p, dtype=data_cfg.dtype) for p in names]
-            vocab = _largest_id(files) + 1
+            vocab = _largest_id(files, progress=progress) + 1
             if vocab > model_vocab_size:
                 raise ConfigError(
                     f"model.vocab_size={model_vocab_size} is too small for the token files "

@@ -14,10 +14,10 @@ import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
 from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.data.token_files import token_dtype, write_token_file
+from jaxspeed.runtime.progress import Progress
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 #: EOS spellings looked up in a tokenizer's vocabulary, in this order.
@@ -139,8 +139,11 @@ def _batches(files: Sequence[str], text_key: str, bar) -> Iterator[list[str]]:
 def encode_files(
     files: Sequence[str], tokenizer, *, eos_id: int, text_key: str = "text", progress: bool = False
 ) -> Iterator[np.ndarray]:
-    """Token chunks of `files`: each document's ids then `eos_id` (batch-encoded, in parallel)."""
-    with tqdm(desc="tokenize", unit="char", unit_scale=True, disable=not progress) as bar:
+    """Token chunks of `files`: each document's ids then `eos_id` (batch-encoded, in parallel).
+
+    `progress` counts the characters read on stderr: a bar on a terminal, else a line every
+    `JAXSPEED_PROGRESS_SECONDS` (`jaxspeed.runtime.progress`)."""
+    with Progress(None, desc="tokenize", unit="char", unit_scale=True, enabled=progress) as bar:
         for texts in _batches(files, text_key, bar):
             encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
             ids = [np.asarray(e.ids, dtype=np.int64) for e in encodings]

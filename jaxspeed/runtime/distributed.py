@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import jax
 
-from jaxspeed.errors import JaxspeedError
+from jaxspeed.errors import ConfigError, JaxspeedError
 
 ENV_COORDINATOR = "JAXSPEED_COORDINATOR"  # "host:port" of process 0's coordination service
 ENV_NUM_PROCESSES = "JAXSPEED_NUM_PROCESSES"
@@ -25,9 +25,13 @@ DEFAULT_INIT_TIMEOUT = 300  # jax.distributed's own default, for clusters
 
 
 def set_cpu_devices(count: int) -> None:
-    """Runs on the CPU platform with `count` emulated devices (tests, laptops, CI)."""
-    if count < 1:
-        raise ValueError(f"--cpu-devices must be >= 1, got {count}")
+    """Runs on the CPU platform with `count` emulated devices (tests, laptops, CI).
+
+    Raises:
+      ConfigError: `count` is not a whole number >= 1 (a `ValueError` too).
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"--cpu-devices must be a whole number of devices >= 1, got {count!r}")
     jax.config.update("jax_platforms", "cpu")
     flag = f"--xla_force_host_platform_device_count={count}"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]

@@ -30,8 +30,10 @@ def zero_spec(
 ) -> tuple[P, str]:
     """Adds the free data-parallel axes to one dimension of `spec`, chosen by divisibility.
 
-    Tries all free data-parallel axes together, then each alone; prefers unsharded dimensions,
-    then larger ones. A leaf no dimension can take stays as it is.
+    Tries all free data-parallel axes together, then each alone; prefers a `vocab` dimension
+    (an embedding sharded on its columns makes XLA rematerialize the whole batch-sharded
+    gradient onto them: "Involuntary full rematerialization" on tensor x ZeRO-2/3), then
+    unsharded dimensions, then larger ones. A leaf no dimension can take stays as it is.
 
     Args:
       spec: the array's spec before ZeRO (from the logical rules).
@@ -48,10 +50,11 @@ def zero_spec(
     free = tuple(a for a in dp_axes if a not in used and mesh_shape.get(a, 1) > 1)
     if not free:
         return spec, ""
-    avoid = {i for i, n in enumerate(logical or ()) if n in _AVOID}
+    names = tuple(logical or ()) + (None,) * (len(shape) - len(logical or ()))
+    avoid = {i for i, n in enumerate(names) if n in _AVOID}
     order = sorted(
         (i for i in range(len(shape)) if i not in avoid),
-        key=lambda i: (bool(entries[i]), -shape[i]),
+        key=lambda i: (names[i] != "vocab", bool(entries[i]), -shape[i]),
     )
     candidates = [free] + ([(a,) for a in free] if len(free) > 1 else [])
     for axes in candidates:
