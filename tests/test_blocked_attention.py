@@ -243,7 +243,7 @@ def test_auto_is_blocked_beyond_one_block_on_cpu(monkeypatch, length, want):
 
     called = []
     monkeypatch.setattr(gpt, "blocked_attention", lambda *a, **k: called.append("blocked") or a[0])
-    monkeypatch.setattr(gpt, "causal_attention", lambda *a: called.append("reference") or a[0])
+    monkeypatch.setattr(gpt, "causal_attention", lambda *a, **k: called.append("reference") or a[0])
     q = jnp.zeros((1, length, 2, 8))
     gpt.attend(q, q, q, impl="auto", block_q=BLOCK, block_kv=BLOCK)
     assert called == [want]

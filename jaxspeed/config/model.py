@@ -233,6 +233,11 @@ class ModelConfig(Section):
     rope_scaling: Annotated[RopeScalingConfig | None, FUNCTION] = None
     #: epsilon of every norm (RMSNorm's or LayerNorm's)
     rms_norm_eps: Annotated[float, Field(gt=0), FUNCTION] = 1e-6
+    #: biases on the query, key and value projections (Qwen2; the output projection has none)
+    attention_bias: Annotated[Bool, SHAPES] = False
+    #: Mistral's sliding window: a query at position i sees the keys at positions
+    #: i - sliding_window + 1 .. i; null: every earlier key (plain causal attention)
+    sliding_window: Annotated[PositiveInt | None, FUNCTION] = None
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     moe: MoeConfig | None = None
@@ -278,6 +283,28 @@ class ModelConfig(Section):
                 f"positions 'rotary' needs an even head size; d_model / n_heads = "
                 f"{self.d_model // self.n_heads}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _window_fits(self) -> ModelConfig:
+        """`sliding_window` runs in dense attention (`reference`, `fused`; Ulysses carries
+        it); the blocked kernel, ring attention and block-sparse layouts have no window."""
+        if self.sliding_window is None:
+            return self
+        refused = [
+            (self.attention.impl == "blocked", "attention.impl: blocked",
+             "model.attention.impl: auto, fused or reference"),
+            (self.sequence_parallel.impl == "ring", "sequence_parallel.impl: ring",
+             "model.sequence_parallel.impl: ulysses"),
+            (self.sparse_attention is not None, "sparse_attention",
+             "model.sparse_attention: null"),
+        ]
+        for bad, what, instead in refused:
+            if bad:
+                raise ValueError(
+                    f"sliding_window={self.sliding_window} cannot run with {what} (it has no "
+                    f"window); set {instead}, or sliding_window: null"
+                )
         return self
 
 

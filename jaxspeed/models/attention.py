@@ -53,13 +53,15 @@ def sparse_layout(config: SparsityConfig, seq_len: int) -> np.ndarray:
 
 
 class Attention(nn.Module):
-    """Multi-head causal self-attention, no biases.
+    """Multi-head causal self-attention; biases on q, k, v with `qkv_bias` (Qwen2).
 
     Dense attention is computed by `attend` with `attention_impl` and its blocks. With
     `sparse` set, the attention is restricted to that config's block layout (plus the causal
     mask), through `jaxspeed.attention.block_sparse_attention` with `sparse_impl`. When the
     mesh splits `length` (`sequence_split`), `sequence_parallel` (`ulysses` or `ring`) crosses
     the split; ring always uses the blocked kernel and supports dense attention only.
+    `sliding_window` (Mistral) limits each query to the latest `sliding_window` keys, in
+    dense attention only (Ulysses included): block-sparse, ring and blocked are refused.
     """
 
     n_heads: int
@@ -80,6 +82,8 @@ class Attention(nn.Module):
     #: collection (`cache_len` positions), and each call's tokens follow them
     decode: bool = False
     cache_len: int = 0
+    qkv_bias: bool = False
+    sliding_window: int | None = None
 
     @nn.compact
     def __call__(self, x: Array, segment_ids: Array | None = None,
@@ -95,6 +99,12 @@ class Attention(nn.Module):
             kernel = logical_param(
                 self, name, ("embed", "heads", "kv"), (embed, heads, head_dim), std=INIT_STD)
             y = matmul.einsum("ble,ehd->blhd", x, cast(kernel, self.dtype))
+            if self.qkv_bias:
+                bias = self.param(
+                    f"{name}_bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                 ("heads", "kv")),
+                    (heads, head_dim), self.param_dtype)
+                y = y + cast(bias, y.dtype)
             y = nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
             return checkpoint_name(y, "qkv")
 
@@ -130,6 +140,12 @@ class Attention(nn.Module):
 
     def _attend(self, q: Array, k: Array, v: Array, split: SequenceSplit | None,
                 segment_ids: Array | None = None) -> Array:
+        window = self.sliding_window
+        if window is not None and (self.sparse is not None or (
+                split is not None and self.sequence_parallel == "ring")):
+            raise ConfigError(
+                f"model.sliding_window={window} runs in dense attention only; set "
+                "model.sparse_attention: null and model.sequence_parallel.impl: ulysses")
         layout = None if self.sparse is None else sparse_layout(self.sparse, q.shape[1])
         if layout is not None and segment_ids is not None:
             raise ConfigError(
@@ -145,7 +161,7 @@ class Attention(nn.Module):
         if layout is None:
             dense = functools.partial(
                 attend, impl=self.attention_impl, block_q=self.block_q, block_kv=self.block_kv,
-                segment_ids=segment_ids,
+                segment_ids=segment_ids, window=window,
             )
         else:
             dense = functools.partial(

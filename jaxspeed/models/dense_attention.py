@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.attention.blocked import blocked_attention
+from jaxspeed.errors import ConfigError
 from jaxspeed.ops import matmul
 from pallas_kernels._backend import on_gpu
 
@@ -15,8 +16,8 @@ Array = jax.Array
 
 
 def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = None, *,
-                     q_positions: Array | None = None) -> Array:
-    """Causal softmax attention with a float32 softmax.
+                     q_positions: Array | None = None, window: int | None = None) -> Array:
+    """Causal softmax attention with a float32 softmax, optionally over a sliding window.
 
     Args:
       q: `[batch, q_len, heads, head_dim]`; k, v: `[batch, kv_len, heads, head_dim]`, key `j`
@@ -25,6 +26,8 @@ def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = N
         documents); None: one segment.
       q_positions: int `[q_len]`, the queries' positions (a decoding step's, after a cache of
         keys); default `0, 1, ...`: query `i` sees keys `0..i`.
+      window: Mistral's sliding window `w`: query `i` sees keys `i-w+1..i` only; None: all
+        keys up to `i`.
 
     Returns:
       `[batch, q_len, heads, head_dim]` in `v`'s dtype.
@@ -35,6 +38,8 @@ def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = N
     if q_positions is None:
         q_positions = jnp.arange(q.shape[1])
     keep = jnp.arange(k.shape[1])[None, :] <= q_positions[:, None]
+    if window is not None:
+        keep = keep & (jnp.arange(k.shape[1])[None, :] > q_positions[:, None] - window)
     if segment_ids is not None:
         keep = keep & same_segment(segment_ids)
     scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
@@ -48,7 +53,7 @@ def same_segment(segment_ids: Array) -> Array:
 
 
 def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: int,
-           segment_ids: Array | None = None) -> Array:
+           segment_ids: Array | None = None, window: int | None = None) -> Array:
     """Dense causal softmax attention, computed as `impl` says.
 
     Args:
@@ -62,22 +67,30 @@ def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: i
       block_q, block_kv: the blocks of `blocked`.
       segment_ids: int `[batch, length]` of packed documents (attention stays within one),
         or None.
+      window: a sliding window (see `causal_attention`), or None. The blocked kernel has
+        none: `auto` then computes `reference` off a GPU, and `blocked` is refused.
 
     Returns:
       `[batch, length, heads, head_dim]` in `v`'s dtype.
     """
     if impl == "auto":
-        longer = q.shape[1] > block_q or k.shape[1] > block_kv
+        longer = window is None and (q.shape[1] > block_q or k.shape[1] > block_kv)
         impl = "fused" if on_gpu() else "blocked" if longer else "reference"
     if impl == "fused":
         mask = None if segment_ids is None else same_segment(segment_ids)
-        y = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                         implementation=None)
+        y = jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True, implementation=None,
+            local_window_size=None if window is None else (window - 1, 0))
         return y.astype(v.dtype)
     if impl == "blocked":
+        if window is not None:
+            raise ConfigError(
+                f"model.sliding_window={window} cannot run with model.attention.impl: blocked "
+                "(the blocked kernel has no window); set model.attention.impl: auto, fused or "
+                "reference")
         return blocked_attention(q, k, v, causal=True, block_q=block_q, block_kv=block_kv,
                                  segment_ids=segment_ids)
-    return causal_attention(q, k, v, segment_ids)
+    return causal_attention(q, k, v, segment_ids, window=window)
 
 
 

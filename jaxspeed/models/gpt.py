@@ -87,6 +87,10 @@ class GPT(nn.Module):
     rope_theta: float = ROTARY_BASE
     rope_scaling: tuple[float, float, float, int] | None = None
     norm_eps: float = NORM_EPS
+    #: biases on the q, k, v projections (Qwen2)
+    attention_bias: bool = False
+    #: Mistral's sliding window of keys each query sees (None: all earlier keys)
+    sliding_window: int | None = None
     remat_policy: str = "none"
     remat_names: tuple[str, ...] = ()
     sparse_attention: SparsityConfig | None = None
@@ -136,6 +140,8 @@ class GPT(nn.Module):
             n_kv_heads=self.n_kv_heads,
             decode=self.decode,
             cache_len=self.max_seq_len,
+            qkv_bias=self.attention_bias,
+            sliding_window=self.sliding_window,
         )
         block = dict(
             d_ff=self.d_ff,
@@ -289,6 +295,7 @@ def build_gpt(
         **{key: getattr(cfg, key) for key in _COPIED},
         rope_scaling=None if cfg.rope_scaling is None else cfg.rope_scaling.as_tuple(),
         norm_eps=cfg.rms_norm_eps,
+        sliding_window=cfg.sliding_window,
         attention_impl=cfg.attention.impl,
         attention_block_q=cfg.attention.block_q,
         attention_block_kv=cfg.attention.block_kv,

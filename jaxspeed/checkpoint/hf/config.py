@@ -1,4 +1,7 @@
-"""Hugging Face Llama `config.json` <-> jaxspeed's `model:` section.
+"""Hugging Face Llama, Mistral and Qwen2 `config.json` <-> jaxspeed's `model:` section.
+
+Mistral is Llama with a sliding window (`model.sliding_window`), Qwen2 Llama with biases on
+the q/k/v projections (`model.attention_bias`) and, if asked, a sliding window on every layer.
 
 Both layouts transformers has written are read: transformers 4 keeps `rope_theta` and
 `rope_scaling` at the top level, transformers 5 keeps them in `rope_parameters` (with
@@ -26,6 +29,11 @@ _SIZES = {
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # LlamaConfig's defaults for keys a config.json may leave out.
 _HF_DEFAULTS = {"rope_theta": 10_000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+#: The `model_type`s read and written -> their transformers class (`architectures`).
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM"}
+# MistralConfig's defaults where they differ from LlamaConfig's.
+_MISTRAL_DEFAULTS = {"num_key_value_heads": 8, "sliding_window": 4096}
 
 
 def _refuse(source: str, key: str, value: Any, wanted: str) -> CheckpointError:
@@ -53,15 +61,34 @@ def _rope(config: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | 
     return float(theta), scaling
 
 
+def _qwen2_window(config: dict[str, Any], layers: int, source: str) -> int | None:
+    """Qwen2's one sliding window, or None: `Qwen2Config` windows the layers `layer_types`
+    names (default: those from `max_window_layers` on) when `use_sliding_window` is set."""
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    if window is None:
+        return None
+    kinds = config.get("layer_types") or [
+        "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+        for i in range(layers)]
+    if len(set(kinds)) > 1:
+        raise CheckpointError(
+            f"{source}: layer_types mixes sliding_attention and full_attention layers; "
+            "jaxspeed needs the same attention on every layer (a window on all or on none)")
+    return window if kinds[0] == "sliding_attention" else None
+
+
 def model_from_hf(config: dict[str, Any], *, source: str = "config.json") -> dict[str, Any]:
-    """jaxspeed `model:` keys (`MODEL_KEYS`) for a Hugging Face Llama config.
+    """jaxspeed `model:` keys (`MODEL_KEYS`) for a Hugging Face Llama, Mistral or Qwen2 config.
 
     Raises:
       CheckpointError: naming the first field that is missing or not Llama-like.
     """
     model_type = config.get("model_type", "llama")
-    if model_type != "llama":
-        raise _refuse(source, "model_type", model_type, "'llama'")
+    if model_type not in FAMILIES:
+        raise _refuse(source, "model_type", model_type,
+                      " or ".join(repr(name) for name in FAMILIES))
+    if model_type == "mistral":
+        config = {**_MISTRAL_DEFAULTS, **config}
     model: dict[str, Any] = {}
     for hf_key, key in _SIZES.items():
         value = config.get(hf_key)
@@ -77,9 +104,18 @@ def model_from_hf(config: dict[str, Any], *, source: str = "config.json") -> dic
         )
     if config.get("hidden_act", "silu") != "silu":
         raise _refuse(source, "hidden_act", config["hidden_act"], "'silu' (mlp: swiglu)")
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key, False):
-            raise _refuse(source, key, config[key], "false (the reference GPT has no biases)")
+    for key in ("attention_bias", "mlp_bias") if model_type == "llama" else ():
+        if config.get(key, False):  # Llama's attention_bias is on o_proj too
+            raise _refuse(source, key, config[key], "false (the reference GPT has no such biases)")
+    model["attention_bias"] = model_type == "qwen2"
+    model["sliding_window"] = (
+        _qwen2_window(config, model["n_layers"], source) if model_type == "qwen2"
+        else config["sliding_window"] if model_type == "mistral" else None)
+    window = model["sliding_window"]
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                               or window < 1):
+        raise CheckpointError(f"{source}: sliding_window must be a positive integer or null, "
+                              f"got {window!r}")
     model["rope_theta"], model["rope_scaling"] = _rope(config, source)
     model["rms_norm_eps"] = float(config.get("rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"]))
     model["tie_embeddings"] = bool(config.get("tie_word_embeddings", _HF_DEFAULTS["tie_word_embeddings"]))
@@ -100,10 +136,33 @@ def check_exportable(model: dict[str, Any]) -> None:
             raise CheckpointError(f"model.{key} is set: a Hugging Face Llama has no {key}")
 
 
+def family(model: dict[str, Any], *, base_type: str | None = None) -> str:
+    """The `FAMILIES` key that expresses a `model:` section: Qwen2 for q/k/v biases, Mistral
+    for a sliding window (or when `base_type` is Mistral already), else Llama."""
+    if model.get("attention_bias"):
+        return "qwen2"
+    return "mistral" if model.get("sliding_window") or base_type == "mistral" else "llama"
+
+
+def _window_keys(kind: str, window: int | None, layers: int,
+                 config: dict[str, Any]) -> dict[str, Any]:
+    """The keys that say `kind`'s attention: biases, sliding window (per layer for Qwen2)."""
+    if kind == "llama":
+        return {"attention_bias": False, "mlp_bias": False}
+    if kind == "mistral":
+        return {"sliding_window": window}
+    keys: dict[str, Any] = {"use_sliding_window": window is not None}
+    if window is not None:
+        keys.update(sliding_window=window, max_window_layers=0)
+    if window is not None or "layer_types" in config:
+        keys["layer_types"] = [("full", "sliding")[window is not None] + "_attention"] * layers
+    return keys
+
+
 def hf_from_model(
     model: dict[str, Any], *, dtype: str, base: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """A Llama `config.json` dict for a `model:` section.
+    """A Llama, Mistral or Qwen2 `config.json` dict for a `model:` section (`family`).
 
     Args:
       model: the `model:` keys (`MODEL_KEYS`; others are ignored).
@@ -113,14 +172,19 @@ def hf_from_model(
         transformers-4 layout (rope keys at the top level), which transformers 5 also reads.
     """
     check_exportable(model)
-    config = dict(base or {"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    kind = family(model, base_type=(base or {}).get("model_type"))
+    config = dict(base or {})
+    if config.get("model_type") != kind:
+        config.update(architectures=[FAMILIES[kind]], model_type=kind)
     config.update({hf_key: model[key] for hf_key, key in _SIZES.items()})
     n_kv = model.get("n_kv_heads") or model["n_heads"]
     config.update(
-        num_key_value_heads=n_kv, head_dim=model["d_model"] // model["n_heads"],
-        hidden_act="silu", attention_bias=False, mlp_bias=False,
+        num_key_value_heads=n_kv, hidden_act="silu",
         rms_norm_eps=model["rms_norm_eps"], tie_word_embeddings=model["tie_embeddings"],
     )
+    if kind != "qwen2" or "head_dim" in config:  # Qwen2Config has no head_dim of its own
+        config["head_dim"] = model["d_model"] // model["n_heads"]
+    config.update(_window_keys(kind, model.get("sliding_window"), model["n_layers"], config))
     scaling = model.get("rope_scaling")
     if "rope_parameters" in config:  # transformers 5 layout
         rope = {"rope_type": "default"} if scaling is None else dict(scaling)

@@ -1,10 +1,11 @@
-"""Hugging Face Llama tensors <-> the reference GPT's params.
+"""Hugging Face Llama-family tensors (Llama, Mistral, Qwen2) <-> the reference GPT's params.
 
 HF's `nn.Linear` weights are `[out, in]`; the GPT's kernels are `[in, ...]` with heads split
 out, and its layers are stacked on a leading `[n_layers]` axis (`nn.scan`). Llama's q/k
 projections are already in the rotate-half layout the GPT's rotary embedding uses, and
 `jnp.repeat` groups query heads onto key/value heads as HF's `repeat_kv` does, so every
-tensor maps by a transpose and a reshape, without permuting rows.
+tensor maps by a transpose and a reshape, without permuting rows. Qwen2's q/k/v biases
+(`model.attention_bias`) are `[heads * head_dim]` vectors, the GPT's `[heads, head_dim]`.
 """
 
 from __future__ import annotations
@@ -31,8 +32,19 @@ _LAYER = {
     "mlp.up_proj.weight": (("mlp", "wi_up"), "transpose"),
     "mlp.down_proj.weight": (("mlp", "wo"), "transpose"),
 }
+#: Per-layer biases of a model with `attention_bias` (Qwen2).
+_BIASES = {
+    "self_attn.q_proj.bias": (("attn", "query_bias"), "heads_bias"),
+    "self_attn.k_proj.bias": (("attn", "key_bias"), "kv_heads_bias"),
+    "self_attn.v_proj.bias": (("attn", "value_bias"), "kv_heads_bias"),
+}
 # Buffers some older saves include; they are recomputed from the config, never read.
 _IGNORED_SUFFIX = ".rotary_emb.inv_freq"
+
+
+def _layer(model: Mapping[str, Any]) -> dict[str, tuple[tuple[str, str], str]]:
+    """The per-layer tensors of `model` (`_LAYER`, and `_BIASES` with `attention_bias`)."""
+    return {**_LAYER, **_BIASES} if model.get("attention_bias") else _LAYER
 
 
 def _dims(model: Mapping[str, Any]) -> dict[str, int]:
@@ -47,6 +59,8 @@ def _hf_shape(kind: str, d: dict[str, int]) -> tuple[int, ...]:
         "in_kv_heads": (d["kv"] * d["head_dim"], d["embed"]),
         "heads_out": (d["embed"], d["heads"] * d["head_dim"]),
         "vector": (d["embed"],),
+        "heads_bias": (d["heads"] * d["head_dim"],),
+        "kv_heads_bias": (d["kv"] * d["head_dim"],),
     }.get(kind, ())
 
 
@@ -59,7 +73,7 @@ def hf_shapes(model: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     mlp = {"mlp.gate_proj.weight": (d["ff"], d["embed"]), "mlp.up_proj.weight": (d["ff"], d["embed"]),
            "mlp.down_proj.weight": (d["embed"], d["ff"])}
     for i in range(model["n_layers"]):
-        for suffix, (_, kind) in _LAYER.items():
+        for suffix, (_, kind) in _layer(model).items():
             shapes[f"model.layers.{i}.{suffix}"] = mlp.get(suffix) or _hf_shape(kind, d)
     return shapes
 
@@ -77,7 +91,7 @@ def check_names(names: set[str], model: Mapping[str, Any], *, source: str) -> No
         raise CheckpointError(f"{source}: no tensor {missing[0]} ({len(missing)} missing in all)")
     if extra:
         raise CheckpointError(
-            f"{source}: unexpected tensor {extra[0]} for a Llama model ({len(extra)} in all)"
+            f"{source}: unexpected tensor {extra[0]} for this config ({len(extra)} in all)"
         )
 
 
@@ -85,6 +99,8 @@ def _param_shape(kind: str, hf_shape: tuple[int, ...], d: dict[str, int]) -> tup
     """The GPT param's shape (one layer) for an HF tensor; as a matrix it is the transpose."""
     if kind == "vector":
         return hf_shape
+    if kind.endswith("_bias"):  # [heads*hd] -> [heads, hd]
+        return hf_shape[0] // d["head_dim"], d["head_dim"]
     if kind == "heads_out":  # [embed, heads*hd] -> [heads, hd, embed]
         return d["heads"], d["head_dim"], d["embed"]
     if kind == "transpose":
@@ -108,6 +124,8 @@ def _copy_into(dst: np.ndarray, src, kind: str) -> None:
     vectors (and the embedding), which are copied. `src` needs only `.shape` and row slicing,
     so a lazy file slice is read `_READ` rows at a time.
     """
+    if kind.endswith("_bias"):  # a vector either way, the param's `[heads, hd]` flattened
+        dst, kind = dst.reshape(-1), "vector"
     rows = src.shape[0]
     if kind != "vector":
         dst = dst.reshape(src.shape[::-1])
@@ -133,7 +151,7 @@ def param_shapes(model: Mapping[str, Any], dtype) -> dict[str, Any]:
         return jax.ShapeDtypeStruct(shape, np.dtype(dtype))
 
     layers: dict[str, dict[str, Any]] = {}
-    for suffix, ((group, leaf), kind) in _LAYER.items():
+    for suffix, ((group, leaf), kind) in _layer(model).items():
         layers.setdefault(group, {})[leaf] = spec(
             model["n_layers"], *_param_shape(kind, shapes[f"model.layers.0.{suffix}"], d))
     tree = {"embedding": spec(d["vocab"], d["embed"]), "layers": layers,
@@ -175,7 +193,7 @@ def param_blocks(
     blocks = {
         f"layers.{group}.{leaf}": [partial(copy, f"model.layers.{i}.{suffix}", kind)
                                    for i in range(model["n_layers"])]
-        for suffix, ((group, leaf), kind) in _LAYER.items()
+        for suffix, ((group, leaf), kind) in _layer(model).items()
     }
     name = "model.embed_tokens.weight"
     blocks["embedding"] = [LazyArray(shapes[name], np.dtype(dtype), partial(copy, name, "vector"),
@@ -204,13 +222,14 @@ def hf_tensors(params: Mapping[str, Any], model: Mapping[str, Any], *, dtype=Non
     dtype = np.dtype(dtype or params["final_norm"]["scale"].dtype)
 
     def tensor(name: str, src, kind: str):
-        if kind == "vector" and np.dtype(src.dtype) == dtype and isinstance(src, np.ndarray):
+        if (kind == "vector" or kind.endswith("_bias")) and np.dtype(src.dtype) == dtype \
+                and isinstance(src, np.ndarray):
             return src.reshape(shapes[name])
         return LazyArray(shapes[name], dtype, partial(_copy_into, src=src, kind=kind))
 
     out = {
         name: tensor(name, _matrix(params["layers"][group][leaf][i], shapes[name]), kind)
-        for i in range(model["n_layers"]) for suffix, ((group, leaf), kind) in _LAYER.items()
+        for i in range(model["n_layers"]) for suffix, ((group, leaf), kind) in _layer(model).items()
         for name in [f"model.layers.{i}.{suffix}"]
     }
     out["model.embed_tokens.weight"] = tensor("model.embed_tokens.weight", params["embedding"], "vector")
