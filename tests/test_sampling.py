@@ -18,7 +18,8 @@ PROMPT_LEN, NEW = 5, 11
 @pytest.mark.parametrize("arch", [
     dict(positions="rotary", n_kv_heads=2, mlp="swiglu", tie_embeddings=False),
     dict(positions="learned"),
-], ids=["llama", "learned"])
+    dict(positions="rotary", sliding_window=3),  # the window is shorter than what is decoded
+], ids=["llama", "learned", "mistral"])
 def test_greedy_with_cache_equals_argmax_without(arch):
     model = GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16,
                 **arch)

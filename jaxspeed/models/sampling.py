@@ -2,10 +2,13 @@
 
 `generate` prefills the cache with the prompt in one call, then decodes one token per step in
 a `lax.fori_loop`, all in one jitted program. The GPT in `decode` mode keeps each layer's keys
-and values in its `cache` collection (`max_seq_len` positions), so a step costs one token's
-work, not the whole prefix's. Under a mesh the parameters keep the plan they were trained
-with (`sample_from_engine`): ZeRO-3 shards are gathered layer by layer as in training,
-tensor-parallel weights stay split.
+and values in its `cache` collection, sized for the request (prompt + new tokens, not
+`max_seq_len`: a long-context model's full cache would be gigabytes), so a step costs one
+token's work, not the whole prefix's. A model trained with a block-sparse layout decodes with
+that layout (`jaxspeed.models.decode_cache`). Under a mesh the parameters keep the plan they
+were trained with (`sample_from_engine`): ZeRO-3 shards are gathered layer by layer as in
+training, tensor-parallel weights stay split; `sample_tokens` runs on one device, for a
+model built from a checkpoint without a training engine.
 
 Choosing a token: `temperature == 0` is greedy (argmax); otherwise the logits are divided by
 the temperature and, with `top_p < 1`, cut to the smallest set of tokens whose probability
@@ -67,9 +70,14 @@ def generate(
         if temperature != 0:
             raise ValueError("sampling with temperature > 0 needs a PRNG key")
         key = jax.random.key(0)
-    decoder = model.clone(decode=True, remat_policy="none", stream_layers=None)
-    empty = jnp.zeros((batch, model.max_seq_len), jnp.int32)
-    shapes = jax.eval_shape(lambda: decoder.init(jax.random.key(0), empty, deterministic=True))
+    cache_len = decode_length(model, length + max_new_tokens)
+    decoder = model.clone(decode=True, remat_policy="none", stream_layers=None,
+                          max_seq_len=cache_len)
+    params = _fit_positions(params, cache_len)
+    empty = jnp.zeros((batch, cache_len), jnp.int32)
+    shapes = jax.eval_shape(  # in the dtypes `params` give the keys and values
+        lambda p: decoder.apply({"params": p}, empty, deterministic=True, mutable=["cache"])[1],
+        params)
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
 
     def step(cache, tokens):
@@ -89,6 +97,24 @@ def generate(
 
     _, out = jax.lax.fori_loop(1, max_new_tokens, body, (cache, out))
     return jnp.concatenate([prompt.astype(jnp.int32), out], axis=1)
+
+
+def decode_length(model: nn.Module, tokens: int) -> int:
+    """Positions the key/value cache holds for `tokens` tokens: `tokens`, rounded up to the
+    block of a block-sparse layout (the layout is built for the cache's length)."""
+    sparse = getattr(model, "sparse_attention", None)
+    return tokens if sparse is None else -(-tokens // sparse.block) * sparse.block
+
+
+def _fit_positions(params, length: int):
+    """Learned position embeddings cut (or zero-padded) to `length` rows: the decoder is built
+    for the request's length, and positions past it are never read."""
+    if "pos_embedding" not in params:
+        return params
+    table = params["pos_embedding"]
+    rows = table.shape[0]
+    table = table[:length] if rows >= length else jnp.pad(table, ((0, length - rows), (0, 0)))
+    return {**params, "pos_embedding": table}
 
 
 def check_request(prompt_len: int, max_new_tokens: int, max_seq_len: int, temperature: float,
@@ -122,6 +148,13 @@ def sample_from_engine(engine, params, prompt: Sequence[Sequence[int]], **option
         return np.asarray(jax.device_get(tokens))
 
 
+def sample_tokens(model: nn.Module, params, prompt: Sequence[Sequence[int]], **options) -> np.ndarray:
+    """`generate` on the default device, with no mesh: a model built from a checkpoint (its
+    params in their stored dtype) rather than a training engine."""
+    tokens = _generate(model, params, jnp.asarray(prompt, jnp.int32), **options)
+    return np.asarray(jax.device_get(tokens))
+
+
 #: `generate` compiled once per model and options (training samples every N steps).
 _generate = jax.jit(generate, static_argnums=0,
                     static_argnames=("max_new_tokens", "temperature", "top_p"))
@@ -129,14 +162,24 @@ _generate = jax.jit(generate, static_argnums=0,
 
 class Codec:
     """Text ↔ tokens: a Hugging Face `tokenizer.json` (or its folder), or bytes (token =
-    byte value)."""
+    byte value).
 
-    def __init__(self, tokenizer_path: str | None = None):
+    Args:
+      tokenizer_path: the tokenizer; None: bytes.
+      source: where the path came from (`--tokenizer`, `data.tokenizer`), named in errors.
+    """
+
+    def __init__(self, tokenizer_path: str | None = None, *, source: str = "data.tokenizer"):
         self._tokenizer = None
+        self.path = None if tokenizer_path is None else str(tokenizer_path)
         if tokenizer_path is not None:
             from jaxspeed.data.text_tokens import load_tokenizer
+            from jaxspeed.errors import JaxspeedError
 
-            self._tokenizer = load_tokenizer(str(tokenizer_path))
+            try:
+                self._tokenizer = load_tokenizer(str(tokenizer_path))
+            except JaxspeedError as err:
+                raise type(err)(str(err).replace("data.tokenizer", source, 1)) from None
 
     @property
     def vocab_size(self) -> int:
@@ -148,19 +191,40 @@ class Codec:
         return self._tokenizer.encode(text).ids
 
     def decode(self, tokens: Sequence[int]) -> str:
+        """The text of `tokens`; with bytes, a token outside 0..255 reads as U+FFFD."""
         if self._tokenizer is None:
-            return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+            return b"".join(bytes([int(t)]) if 0 <= int(t) < 256 else "\ufffd".encode()
+                            for t in tokens).decode("utf-8", errors="replace")
         return self._tokenizer.decode([int(t) for t in tokens])
 
 
 def sample_text(engine, params, text: str, codec: Codec, **options) -> str:
-    """The continuation of `text` (without it), decoded with `codec`."""
-    vocab = engine.config.model.vocab_size
+    """The continuation of `text` (without it) by an engine's model, in its plan, decoded with
+    `codec`."""
+    def sample(prompt):
+        return sample_from_engine(engine, params, [prompt], **options)[0]
+
+    return _continue(sample, engine.config.model.vocab_size, text, codec, strict=False)
+
+
+def sample_model_text(model: nn.Module, params, text: str, codec: Codec, **options) -> str:
+    """The continuation of `text` (without it) by `model` on one device (`sample_tokens`),
+    decoded with `codec`; a token the codec cannot decode is a `ConfigError`."""
+    def sample(prompt):
+        return sample_tokens(model, params, [prompt], **options)[0]
+
+    return _continue(sample, model.vocab_size, text, codec, strict=True)
+
+
+def _continue(sample, vocab: int, text: str, codec: Codec, *, strict: bool) -> str:
     prompt = codec.encode(text)
     if max(prompt, default=0) >= vocab:
         raise ConfigError(
             f"the prompt has token {max(prompt)}, outside model.vocab_size={vocab}; use the "
             f"model's tokenizer (--tokenizer)")
-    tokens = sample_from_engine(engine, params, [prompt], **options)
-    return codec.decode(tokens[0, len(prompt):])
-
+    new = sample(prompt)[len(prompt):]
+    if strict and codec.path is None and int(np.max(new)) >= codec.vocab_size:
+        raise ConfigError(
+            f"the model produced token {int(np.max(new))}, which bytes cannot decode (0..255; "
+            f"model.vocab_size={vocab}); pass the model's tokenizer: --tokenizer tokenizer.json")
+    return codec.decode(new)

@@ -1,17 +1,30 @@
-"""`jaxspeed import-hf` and `jaxspeed export --format hf`: Llama folders in and out.
+"""`jaxspeed import-hf` and `jaxspeed export --format hf`: Llama, Mistral and Qwen2 folders in
+and out (`hf.config.FAMILIES`).
 
 An import writes a params checkpoint (`jaxspeed.checkpoint.params`) that `train` starts from
 with `checkpoint.load_from`, and records the folder's config and file layout; an export of
 that checkpoint writes the same layout back, so an import followed by an export gives the
-same `config.json`, safetensors files and index, byte for byte.
+same `config.json`, safetensors files and index, byte for byte. A run trained from an import
+(`checkpoint.load_from`) exports with the import's record too: its token ids, other config keys
+and `generation_config.json` are kept.
+
+Both write into a fresh temporary folder beside the output and rename it when complete: a
+failure leaves nothing under the output's name, and nothing of anyone else's is touched. Both
+refuse an output folder that is not empty (old shards or an old index beside the new files
+would be read instead of them).
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import jax
 import ml_dtypes
 import numpy as np
 
@@ -19,7 +32,8 @@ from jaxspeed.checkpoint import params as params_checkpoint
 from jaxspeed.checkpoint.state import CheckpointError
 from jaxspeed.checkpoint.hf import files as hf_files
 from jaxspeed.checkpoint.hf.config import check_exportable, hf_from_model, model_from_hf
-from jaxspeed.checkpoint.hf.weights import check_names, hf_tensors, param_blocks, param_shapes
+from jaxspeed.checkpoint.hf.weights import check_names, hf_shapes, hf_tensors, param_blocks, param_shapes
+from jaxspeed.runtime.progress import Progress, interval
 
 #: `--dtype` choices.
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -34,6 +48,57 @@ def _dtype(name: str | None) -> np.dtype | None:
     return DTYPES[name]
 
 
+def _check_empty(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--out {out} already exists and is not empty; choose another --out")
+
+
+@contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """Yields a path to write `out`'s folder at, inside a fresh folder beside `out`; on success
+    it is renamed to `out`; the fresh folder is removed either way (`out` must not exist, or
+    be an empty folder)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial"))
+    try:
+        yield staging / out.name
+        _check_empty(out)
+        if out.exists():
+            out.rmdir()
+        (staging / out.name).rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def _progress(total: int, desc: str) -> Iterator[Progress]:
+    """A `Progress` over tensors whose closing line is left out when the work took less than
+    one `interval()` (a small model's conversion says nothing)."""
+    start = time.monotonic()
+    progress = Progress(total, desc=desc, unit="tensor")
+    try:
+        yield progress
+    finally:
+        if not progress.terminal and time.monotonic() - start < interval():
+            progress.enabled = False
+        progress.close()
+
+
+def _counting(read: Callable[[str], Any], progress: Progress) -> Callable[[str], Any]:
+    """`read`, counting each tensor the first time it is read."""
+    seen: set[str] = set()
+    lock = threading.Lock()  # `read` may be called from several threads at once
+
+    def counted(name: str):
+        with lock:
+            if name not in seen:
+                seen.add(name)
+                progress.update(1)
+        return read(name)
+
+    return counted
+
+
 def import_hf(folder: str | Path, out: str | Path, *, dtype: str | None = None) -> Path:
     """Converts a Hugging Face Llama folder to a params checkpoint.
 
@@ -45,7 +110,9 @@ def import_hf(folder: str | Path, out: str | Path, *, dtype: str | None = None) 
     Returns:
       `out`.
     """
-    folder, cast = Path(folder), _dtype(dtype)
+    folder, cast, given = Path(folder), _dtype(dtype), Path(out)
+    out = given.absolute()
+    _check_empty(out)
     config = hf_files.read_json(folder / hf_files.CONFIG)
     model = model_from_hf(config, source=str(folder / hf_files.CONFIG))
     files, index_metadata = hf_files.tensor_files(folder)
@@ -64,30 +131,36 @@ def import_hf(folder: str | Path, out: str | Path, *, dtype: str | None = None) 
     }
     if cast is not None:
         hf["config"] = {**config, "dtype" if "dtype" in config else "torch_dtype": str(cast)}
-    with hf_files.tensor_reader(files) as read:
+    with hf_files.tensor_reader(files) as read, _staging(out) as staging, \
+            _progress(len(hf_shapes(model)), f"import-hf {folder.name}") as progress:
         dtype = cast or read("model.norm.weight").dtype
-        blocks = param_blocks(read, model, dtype=dtype, source=str(folder))
-        params_checkpoint.write_params(out, param_shapes(model, dtype), blocks, model=model,
-                                       extra={"source": str(folder), "hf": hf})
-    return Path(out)
+        blocks = param_blocks(_counting(read, progress), model, dtype=dtype, source=str(folder))
+        params_checkpoint.write_params(staging, param_shapes(model, dtype), blocks, model=model,
+                                       extra={"source": str(folder.absolute()), "hf": hf})
+    return given
 
 
-def _open_checkpoint(directory: Path, step: int | None) -> tuple[Any, dict[str, Any], dict | None]:
+def _open_checkpoint(checkpoint: Path, step: int | None) -> tuple[Any, dict[str, Any], dict | None]:
     """(params, `model:` keys, the import's HF record or None) of either kind of checkpoint.
 
     A params checkpoint's params are memory-mapped, read one layer at a time by the
-    conversion; a train checkpoint's are restored onto this host (`export.load_trained`).
+    conversion; a train checkpoint's are read onto this host (`export.read_params`), and the
+    HF record is that of the import it started from (`checkpoint.load_from`), if any.
     """
-    if params_checkpoint.is_params_checkpoint(directory):
-        record = params_checkpoint.read_record(directory)
-        check_exportable(record["model"])
-        return params_checkpoint.open_params(directory), record["model"], record.get("hf")
-    from jaxspeed.checkpoint.export import load_trained
+    from jaxspeed.checkpoint.export import read_params
 
-    engine, state = load_trained(directory, step=step, devices=jax.devices()[:1])
-    model = engine.config.to_dict()["model"]
-    check_exportable(model)
-    return jax.device_get(state.params), model, None
+    params, model, record = read_params(checkpoint, step=step, check=check_exportable)
+    if "config" in record:  # a train checkpoint's meta
+        record = _load_from_record(record["config"])
+    return params, model, record.get("hf")
+
+
+def _load_from_record(config: dict[str, Any]) -> dict[str, Any]:
+    """The record of the params checkpoint a run started from, or {} (none, or gone)."""
+    load_from = (config.get("checkpoint") or {}).get("load_from")
+    if load_from is None or not params_checkpoint.is_params_checkpoint(load_from):
+        return {}
+    return params_checkpoint.read_record(load_from)
 
 
 def export_hf(
@@ -96,30 +169,37 @@ def export_hf(
     """Writes a checkpoint as a Hugging Face Llama folder (`config.json` + safetensors).
 
     Args:
-      checkpoint: a params checkpoint (`import_hf`) or a `jaxspeed train` checkpoint directory.
-      out: the folder to write (created; files of the same names are replaced).
+      checkpoint: a params checkpoint (`import_hf`), a `jaxspeed train` checkpoint directory,
+        or a run's folder.
+      out: the folder to write; it must not exist, or be empty (written beside it, then
+        renamed).
       step: a train checkpoint's step; default the newest complete one.
       dtype: the saved dtype (`DTYPES`); default the checkpoint's.
 
     Returns:
       `out`.
     """
-    checkpoint, out, cast = Path(checkpoint), Path(out), _dtype(dtype)
-    if not checkpoint.is_dir():
-        raise CheckpointError(f"checkpoint directory {checkpoint} does not exist")
+    checkpoint, given, cast = Path(checkpoint), Path(out), _dtype(dtype)
+    out = given.absolute()
+    _check_empty(out)
     params, model, hf = _open_checkpoint(checkpoint, step)
     tensors = hf_tensors(params, model, dtype=cast)
     saved_dtype = {str(t.dtype) for t in tensors.values()}.pop()
-    hf = hf if hf is not None and set(tensors) == {n for ns in hf["files"].values() for n in ns} else None
-    out.mkdir(parents=True, exist_ok=True)
-    if hf is not None and (hf["sharded"] or len(hf["files"]) > 1):
-        hf_files.write_tensors(out, tensors, files=hf["files"], metadata=hf["file_metadata"],
-                               index_metadata=hf["index_metadata"])
-    else:
-        metadata = next(iter(hf["file_metadata"].values())) if hf is not None else None
-        hf_files.write_tensors(out, tensors, metadata={hf_files.SINGLE: metadata} if metadata else None)
-    config = hf_from_model(model, dtype=saved_dtype, base=hf["config"] if hf is not None else None)
-    hf_files.write_json(out / hf_files.CONFIG, config)
-    if hf is not None and hf.get("generation_config") is not None:
-        hf_files.write_json(out / hf_files.GENERATION_CONFIG, hf["generation_config"])
-    return out
+    names = set(tensors)
+    layout = hf if hf is not None and names == {n for ns in hf["files"].values() for n in ns} else None
+    with _staging(out) as staging, \
+            _progress(len(tensors), f"export {out.name}") as progress:
+        staging.mkdir()
+        if layout is not None and (layout["sharded"] or len(layout["files"]) > 1):
+            hf_files.write_tensors(staging, tensors, files=layout["files"],
+                                   metadata=layout["file_metadata"],
+                                   index_metadata=layout["index_metadata"], progress=progress)
+        else:
+            metadata = next(iter(layout["file_metadata"].values())) if layout is not None else None
+            hf_files.write_tensors(staging, tensors, progress=progress,
+                                   metadata={hf_files.SINGLE: metadata} if metadata else None)
+        config = hf_from_model(model, dtype=saved_dtype, base=hf["config"] if hf is not None else None)
+        hf_files.write_json(staging / hf_files.CONFIG, config)
+        if hf is not None and hf.get("generation_config") is not None:
+            hf_files.write_json(staging / hf_files.GENERATION_CONFIG, hf["generation_config"])
+    return given

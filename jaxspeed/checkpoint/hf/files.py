@@ -10,6 +10,7 @@ by `jaxspeed.checkpoint.hf.safetensors_direct` where a file has one dtype, else 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -146,6 +147,26 @@ def file_metadata(path: Path) -> dict[str, str] | None:
         return f.metadata()
 
 
+def _counted(tensor, progress, lock: threading.Lock):
+    """A `LazyArray` that counts itself on `progress` the first time it is converted (from
+    any of the writer's threads; `lock` guards the count)."""
+    if progress is None or not isinstance(tensor, LazyArray):
+        return tensor
+    started = []
+
+    def first(fn):
+        def call(*args):
+            with lock:
+                if not started:
+                    started.append(True)
+                    progress.update(1)
+            return fn(*args)
+        return call
+
+    rows = None if tensor.fill_rows is None else first(tensor.fill_rows)
+    return dataclasses.replace(tensor, fill=first(tensor.fill), fill_rows=rows)
+
+
 def write_tensors(
     folder: Path,
     tensors: Mapping[str, np.ndarray | LazyArray],
@@ -153,6 +174,7 @@ def write_tensors(
     files: Mapping[str, list[str]] | None = None,
     metadata: Mapping[str, Mapping[str, str] | None] | None = None,
     index_metadata: Mapping[str, Any] | None = None,
+    progress=None,
 ) -> list[Path]:
     """Writes tensors as one `model.safetensors`, or as the shards `files` lists (with index).
 
@@ -163,17 +185,18 @@ def write_tensors(
       metadata: file name -> its safetensors metadata; default `FILE_METADATA`.
       index_metadata: the index's `metadata` keys to keep; `total_size` and
         `total_parameters` are recomputed.
+      progress: a `jaxspeed.runtime.progress.Progress` counting tensors, or None.
 
     Returns:
       The files written.
     """
     files = dict(files or {SINGLE: sorted(tensors)})
     metadata = metadata or {}
-    written = []
+    written, lock = [], threading.Lock()
     for file, names in files.items():
         path = folder / file
         tmp = path.with_name(path.name + ".tmp")
-        chunk = {name: tensors[name] for name in names}
+        chunk = {name: _counted(tensors[name], progress, lock) for name in names}
         meta = dict(metadata.get(file, FILE_METADATA) or {}) or None
         try:
             if safetensors_direct.supported(chunk, meta):
@@ -186,6 +209,8 @@ def write_tensors(
             tmp.unlink(missing_ok=True)
             raise
         tmp.replace(path)
+        if progress is not None:  # the plain copies, counted once their file is written
+            progress.update(sum(not isinstance(tensors[name], LazyArray) for name in names))
         written.append(path)
     if len(files) > 1 or files.keys() != {SINGLE}:
         index = {k: v for k, v in (index_metadata or {}).items()}
