@@ -215,10 +215,20 @@ class DataConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    """Orbax checkpoints: directory, cadence (0 = only at the end), how many to keep."""
+    """Orbax checkpoints: directory, cadence, how many to keep, and when a run may resume.
+
+    A run saves at its end, every `every_n_steps` steps (0 = not by steps) and every
+    `every_n_minutes` minutes of training (0 = not by time), so a crash loses at most that much.
+    """
 
     dir: str | None = None
     every_n_steps: _NonNegativeInt = 0
+    #: wall-clock cadence; every process saves the same step (the first process due decides)
+    every_n_minutes: Annotated[float, Field(strict=True, ge=0)] = 30.0
+    #: `auto`: resume the checkpoints in `dir` only when they were saved with this config
+    #: (apart from the keys a resume may change, `jaxspeed.train.resume.RESUMABLE`);
+    #: `force`: resume whenever the shapes fit
+    resume: Literal["auto", "force"] = "auto"
     keep: _PositiveInt = 3
     async_: _Bool = Field(True, alias="async")
     #: a params checkpoint (`jaxspeed import-hf`) to start from at step 0 with a fresh

@@ -17,6 +17,7 @@ from jaxspeed.cost.hlo import (
     parse, parse_dot, to_apply, trip_count,
 )
 from jaxspeed.cost.peaks import peak_flops
+from jaxspeed.cost.report import ProfileReport
 
 #: Instructions that move no data of their own (views, bookkeeping, control flow whose bodies
 #: are counted where they run).
@@ -193,9 +194,67 @@ def jaxpr_flops(fn, *args) -> int:
     return _count_flops(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
+def _ffn_matmul_params(d_model: int, d_ff: int, activation: str) -> int:
+    """Weights of one FFN: up and down projections, and the gate under SwiGLU."""
+    return (3 if activation == "swiglu" else 2) * d_model * d_ff
+
+
+def _layer_matmul_params(model: Any) -> int:
+    """Weights one token meets in all the transformer layers (a MoE layer: its router and the
+    `k` experts it picks, plus its shared and residual FFNs)."""
+    d, heads = model.d_model, model.n_heads
+    kv = (model.n_kv_heads or heads) * (d // heads)
+    attention = 2 * d * d + 2 * d * kv  # q and out projections; k and v (grouped-query)
+    dense_ffn = _ffn_matmul_params(d, model.d_ff, model.mlp)
+    moe = getattr(model, "moe", None)
+    if moe is None:
+        return model.n_layers * (attention + dense_ffn)
+    expert = _ffn_matmul_params(d, moe.d_ff or model.d_ff, moe.activation or model.mlp)
+    routed = d * moe.num_experts + (moe.k + moe.num_shared_experts) * expert
+    if moe.use_residual:
+        routed += expert + 2 * d  # PR-MoE's dense FFN and its mixing coefficient
+    n_moe = model.n_layers // moe.every_n_layers
+    return model.n_layers * attention + n_moe * routed + (model.n_layers - n_moe) * dense_ffn
+
+
+def model_train_flops(model: Any | None, *, tokens: int, seq_len: int, param_count: int) -> float:
+    """Model FLOPs of training on `tokens` tokens (forward and backward), for MFU.
+
+    The count of PaLM (Chowdhery et al. 2022, App. B) and Megatron-LM (Narayanan et al. 2021,
+    App.), with attention halved by the causal mask as MaxText's
+    `calculate_tflops_training_per_device` and FlashAttention's benchmarks count it:
+
+        per token: 6·N + 12·L·d_attn·K
+
+    N: weights of the matmuls a token goes through (attention and FFN projections, a MoE
+    layer's router and its `k` chosen experts, and the `d_model × vocab` output head; not the
+    embedding lookup, norms or biases); L layers; d_attn = n_heads · head size; K the keys a
+    query attends on average: `seq_len / 2` under the causal mask, about `w - w²/(2·seq_len)`
+    with a sliding window w (so `6·L·d_attn·seq_len` when causal: PaLM's `12·L·H·Q·T`,
+    halved). Block-sparse attention layouts are counted as dense. Recomputed forward passes
+    (remat) are not model FLOPs: that is the difference between MFU and HFU.
+
+    Args:
+      model: the reference GPT's `ModelConfig`, or None for another model: then `6·param_count`
+        per token (Kaplan et al. 2020's C ≈ 6·N·D, without an attention term).
+      tokens: tokens trained on (global batch × sequence length × steps).
+      seq_len: the sequence length the attention spans.
+      param_count: the model's parameters (used only when `model` is None).
+    """
+    if model is None:
+        return 6.0 * param_count * tokens
+    n = _layer_matmul_params(model) + model.d_model * model.vocab_size
+    window = getattr(model, "sliding_window", None)
+    if window is None or window >= seq_len:
+        keys = seq_len / 2
+    else:
+        keys = window - window**2 / (2 * seq_len)
+    return (6.0 * n + 12.0 * model.n_layers * model.d_model * keys) * tokens
+
+
 def step_profile(
     compiled, *, flops: int, num_devices: int, device_kind: str, peak_tflops: float | None = None
-) -> dict[str, Any]:
+) -> ProfileReport:
     """FLOPs, peak FLOP/s and collective bytes of one compiled step.
 
     Args:

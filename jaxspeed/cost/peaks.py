@@ -1,5 +1,5 @@
-"""Accelerator peaks and model FLOPs utilisation: the dense bf16 peak of each known device
-kind (`PEAK_FLOPS`), a device's peak (`peak_flops`), and MFU (`mfu`)."""
+"""Accelerator peaks and FLOPs utilisation: the dense bf16 peak of each known device kind
+(`PEAK_FLOPS`), a device's peak (`peak_flops`), and MFU or HFU (`mfu`)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,12 @@ def peak_flops(device_kind: str, override_tflops: float | None = None) -> float 
 
 
 def mfu(flops_per_device: float, step_seconds: float, peak: float | None) -> float | None:
-    """Model FLOPs utilisation: achieved FLOP/s per device over the device's peak."""
+    """FLOPs utilisation: achieved FLOP/s per device over the device's peak (None: unknown).
+
+    Model FLOPs utilisation (MFU) with the FLOPs the model needs
+    (`jaxspeed.cost.flops.model_train_flops`); hardware FLOPs utilisation (HFU) with the FLOPs
+    the compiled step runs, rematerialised forward passes included.
+    """
     if not peak or step_seconds <= 0:
         return None
     return flops_per_device / step_seconds / peak

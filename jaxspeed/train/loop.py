@@ -1,9 +1,14 @@
 """The training loop behind `jaxspeed train`: data, steps, evaluation, metrics, checkpoints.
 
-A run resumes from the newest complete checkpoint in its checkpoint directory; the data order
-and RNG continue exactly as if it had never stopped (byte data: batches are a function of the
-step; token-file data: the Grain iterator's state is saved in the checkpoint's JSON record).
+A run resumes from the newest complete checkpoint in its checkpoint directory when that was
+saved with the same config (`jaxspeed.train.resume`); the data order and RNG continue exactly
+as if it had never stopped (byte data: batches are a function of the step; token-file data:
+the Grain iterator's state is saved in the checkpoint's JSON record). It saves at the end,
+every `checkpoint.every_n_steps` steps and every `checkpoint.every_n_minutes` minutes.
 SIGTERM or SIGINT (preemption, Ctrl-C) finishes the current step, saves, and stops.
+
+Progress goes to stderr from process 0 (`jaxspeed.runtime.progress`): the start-up phases,
+then a bar on a terminal or a plain line every `JAXSPEED_PROGRESS_SECONDS` elsewhere.
 """
 
 from __future__ import annotations
@@ -22,14 +27,18 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxspeed.checkpoint.params import with_checkpoint_model
 from jaxspeed.config import Config
 from jaxspeed.data.dataset import TokenDataset
 from jaxspeed.train.engine import Engine, initialize
 from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.cost.fit import DoesNotFit, device_memory, engine_verdict
 from jaxspeed.data.grain_loader import GrainTokenDataset, make_dataset
-from jaxspeed.train.metrics_log import MetricsLog
+from jaxspeed.train.metrics_log import MetricsLog, TrainRecord, last_record
+from jaxspeed.train.resume import check_config, check_steps
+from jaxspeed.cost.flops import model_train_flops
 from jaxspeed.cost.peaks import mfu, peak_flops
+from jaxspeed.runtime.progress import Progress, phase
 
 
 class TrainingInterrupted(JaxspeedError):
@@ -83,9 +92,11 @@ def _train_batches(engine: Engine, dataset, start: int, saved_state: dict | None
     return (_local_batch(engine, dataset, step) for step in itertools.count(start))
 
 
-def _data_meta(batches, done: int) -> dict[str, Any]:
-    """The data position saved with a checkpoint (and the Grain iterator state, when one)."""
-    meta: dict[str, Any] = {"data_position": done}
+def _data_meta(engine: Engine, batches, done: int) -> dict[str, Any]:
+    """The data position and global batch size saved with a checkpoint (and the Grain
+    iterator state, when one)."""
+    meta: dict[str, Any] = {
+        "data_position": done, "global_batch": engine.batch_sizes.train_batch_size}
     if hasattr(batches, "get_state"):
         meta["data_state"] = batches.get_state()
     return meta
@@ -102,6 +113,17 @@ def _sampler(engine: Engine):
     new = min(config.logging.sample_tokens, room)
     return lambda state: prompt + sample_text(
         engine, state.params, prompt, codec, max_new_tokens=new, temperature=0)
+
+
+@contextmanager
+def _no_empty_folder(directory: Path):
+    """Removes `directory` when this run created it and stopped before saving anything there."""
+    existed = directory.exists()
+    try:
+        yield
+    finally:
+        if not existed and directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
 
 
 @contextmanager
@@ -123,13 +145,15 @@ def _stop_on_signals():
             signal.signal(s, h)
 
 
-def _agreed(flag: bool) -> bool:
-    """True on every process if any process saw a signal, so all of them save the same step."""
+def _agreed(*flags: bool) -> tuple[bool, ...]:
+    """Each flag, True on every process if it is True on any (a signal seen, a save due by the
+    clock), so all of them stop or save at the same step. One all-gather for all the flags."""
     if jax.process_count() == 1:
-        return flag
+        return flags
     from jax.experimental import multihost_utils
 
-    return bool(multihost_utils.process_allgather(np.array(flag)).any())
+    seen = multihost_utils.process_allgather(np.array(flags, dtype=bool))
+    return tuple(bool(x) for x in np.asarray(seen).reshape(-1, len(flags)).any(axis=0))
 
 
 def _check_finite(config: Config, metrics: dict[str, float], step: int, ckpt) -> None:
@@ -146,12 +170,13 @@ def _check_finite(config: Config, metrics: dict[str, float], step: int, ckpt) ->
         )
 
 
-def _check_fits(engine: Engine, *, force: bool) -> None:
+def _check_fits(engine: Engine, *, force: bool, show: bool) -> None:
     """Refuses a plan whose compiled step does not fit the device memory (unless `force`)."""
     budget = device_memory(engine.config)
     if budget is None:
         return
-    verdict = engine_verdict(engine, budget, suggest=not force)
+    with phase("checking that the plan fits the device memory", enabled=show):
+        verdict = engine_verdict(engine, budget, suggest=not force)  # compiles the step
     if verdict.fit.fits:
         return
     if not force:
@@ -160,24 +185,53 @@ def _check_fits(engine: Engine, *, force: bool) -> None:
 
 
 class _Throughput:
-    """tokens/s, and model TFLOP/s per device and MFU (when the device's peak is known)."""
+    """tokens/s, model TFLOP/s per device, and MFU and HFU when the device's peak is known.
+
+    Model FLOPs: `model_train_flops` of the reference GPT (`train` always runs it);
+    hardware FLOPs: the step's traced matmuls, remat's recomputed forward included.
+    """
 
     def __init__(self, engine: Engine, tokens_per_step: int):
+        config = engine.config
         self.tokens_per_step = tokens_per_step
-        self.flops_per_device = engine.step_flops() / engine.mesh.size
+        model_flops = model_train_flops(config.model, tokens=tokens_per_step,
+                                        seq_len=config.data.seq_len, param_count=engine.param_count)
+        self.model_flops_per_device = model_flops / engine.mesh.size
+        self.hardware_flops_per_device = engine.step_flops() / engine.mesh.size
         device = engine.mesh.devices.flat[0]
-        self.peak = peak_flops(device.device_kind, engine.config.hardware.peak_tflops)
+        self.peak = peak_flops(device.device_kind, config.hardware.peak_tflops)
 
     def record(self, steps: int, seconds: float) -> dict[str, float]:
-        flops_per_second = self.flops_per_device * steps / seconds
         out = {
             "tokens_per_second": self.tokens_per_step * steps / seconds,
-            "tflops_per_device": flops_per_second / 1e12,
+            "tflops_per_device": self.model_flops_per_device * steps / seconds / 1e12,
         }
-        utilisation = mfu(self.flops_per_device * steps, seconds, self.peak)
-        if utilisation is not None:
-            out["mfu"] = utilisation
+        pairs = (("mfu", self.model_flops_per_device), ("hfu", self.hardware_flops_per_device))
+        for key, flops in pairs:
+            utilisation = mfu(flops * steps, seconds, self.peak)
+            if utilisation is not None:
+                out[key] = utilisation
         return out
+
+
+def _restore_or_init(engine: Engine, config: Config, ckpt, latest: int | None):
+    """The state to start from: the checkpoint at `latest`, `checkpoint.load_from`'s params at
+    step 0, or a fresh init."""
+    if latest is not None:
+        return engine.restore(directory=ckpt.directory, step=latest)
+    if config.checkpoint.load_from is not None:
+        from jaxspeed.checkpoint.params import start_from
+
+        return start_from(engine, config.checkpoint.load_from, jax.random.key(config.seed))
+    return engine.init(jax.random.key(config.seed))
+
+
+def _finished_record(output_dir, step: int, directory: Path, *, show: bool) -> TrainRecord:
+    """The record of a run whose checkpoint is already at `steps`, and a line saying so."""
+    if show:
+        print(f"jaxspeed train: checkpoint {directory / str(step)} is already at steps={step}; "
+              f"nothing to train (raise --steps to continue)", file=sys.stderr)
+    return last_record(output_dir, step=step) or TrainRecord(step=step)
 
 
 def train(
@@ -187,86 +241,123 @@ def train(
     steps: int | None = None,
     progress: bool | None = None,
     force: bool = False,
-) -> dict[str, Any]:
+) -> TrainRecord:
     """Trains the reference GPT described by `config` up to `steps` total steps.
 
     Writes `output_dir/metrics.jsonl` (and TensorBoard events when `logging.tensorboard`) and
     checkpoints in `checkpoint.dir` (default `output_dir/checkpoints`), resuming from the newest
     complete one (or, when there is none, starting from `checkpoint.load_from`'s params at step
-    0). Returns the last logged record.
+    0). A checkpoint saved with another config is refused (`jaxspeed.train.resume`, unless
+    `checkpoint.resume: force`); one past `steps` is an error (`NothingToTrain`); one at `steps`
+    returns its record with a line on stderr saying there is nothing to train.
 
     When the device memory is known (`hardware.device_memory`, or reported by the
     accelerator), a plan whose compiled step does not fit is refused with `DoesNotFit`
     (naming the cheapest change that fits) unless `force`.
+
+    Args:
+      progress: False shows nothing on stderr; True or None (the default) shows the start-up
+        phases and the progress of process 0 (a bar on a terminal, plain lines elsewhere).
+
+    Returns:
+      The last logged `TrainRecord`.
     """
+    config = with_checkpoint_model(config)  # a load_from's model is the default (the CLI did it)
     steps = config.steps if steps is None else steps
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
-    dataset = make_dataset(config, progress=sys.stderr.isatty() if progress is None else progress)
-    _check_vocab(config, dataset)
-    engine = initialize(config)
-    _check_fits(engine, force=force)
-    ckpt = engine.checkpointer(config.checkpoint.dir or Path(output_dir) / "checkpoints")
-    saved_meta: dict[str, Any] = {}
-    if ckpt.latest_step() is not None:
-        state = engine.restore(directory=ckpt.directory)
-        saved_meta = ckpt.read_meta(int(jax.device_get(state.step)))
-    elif config.checkpoint.load_from is not None:
-        from jaxspeed.checkpoint.params import start_from
-
-        state = start_from(engine, config.checkpoint.load_from, jax.random.key(config.seed))
-    else:
-        state = engine.init(jax.random.key(config.seed))
-    start = int(jax.device_get(state.step))
-    batches = _train_batches(engine, dataset, start, saved_meta.get("data_state"))
     is_main = jax.process_index() == 0
-    log = MetricsLog(output_dir, tensorboard=config.logging.tensorboard, enabled=is_main)
-    every = max(1, config.logging.every_n_steps)
-    save_every = config.checkpoint.every_n_steps
-    eval_every = config.logging.eval_every_n_steps
-    throughput = _Throughput(engine, engine.batch_sizes.train_batch_size * config.data.seq_len)
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = tqdm(total=steps, initial=start, desc="train", unit="step", disable=not (show and is_main))
-    record: dict[str, Any] = {}
-    sampler = _sampler(engine) if config.logging.sample_every_n_steps else None
-    last_time, last_step = time.perf_counter(), start
-    try:
-        with _stop_on_signals() as stop:
-            for step in range(start, steps):
-                state, metrics = engine.train_step(state, next(batches))
-                bar.update(1)
-                done = step + 1
-                logging_now = done % every == 0 or done == steps
-                saving_now = bool(save_every) and done % save_every == 0
-                sampling_now = sampler is not None and done % config.logging.sample_every_n_steps == 0
-                stopping = _agreed(stop["signum"] is not None)
-                final = done == steps or stopping
-                if not (logging_now or saving_now or sampling_now or final):
-                    continue
-                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                _check_finite(config, values, done, ckpt)
-                if logging_now:
-                    now = time.perf_counter()
-                    record = {"step": done, **values, **throughput.record(done - last_step, now - last_time)}
-                    if eval_every and (done % eval_every == 0 or done == steps):
-                        record["eval_loss"] = evaluate(
-                            engine, state, dataset, batches=config.logging.eval_batches
-                        )
-                    log.write(record)
-                    bar.set_postfix(loss=f"{values['loss']:.4f}")
-                if sampling_now:
-                    text = sampler(state)  # every process decodes; the main one prints
-                    if is_main:
-                        bar.write(f"sample @ step {done}: {text!r}")
-                if saving_now or final:
-                    engine.save(state, directory=ckpt.directory, meta=_data_meta(batches, done))
-                if logging_now:
-                    last_time, last_step = time.perf_counter(), done
-                if stopping:
-                    raise TrainingInterrupted(stop["signum"] or signal.SIGTERM, done, ckpt.directory)
-    finally:
-        batches.close()  # a Grain iterator stops its read threads (a generator just ends)
-        bar.close()
-        log.close()
-        ckpt.wait()
-    return record
+    show = progress is not False and is_main
+    engine = initialize(config)  # quick (nothing compiles), and where config errors show
+    ckpt_dir = Path(config.checkpoint.dir or Path(output_dir) / "checkpoints")
+    # a refused plan leaves no checkpoint folder behind: open it here only when it exists
+    latest = engine.checkpointer(ckpt_dir).latest_step() if ckpt_dir.exists() else None
+    saved_meta: dict[str, Any] = {}
+    if latest is not None:
+        ckpt = engine.checkpointer(ckpt_dir)
+        saved_meta = ckpt.read_meta(latest)
+        check_config(config, saved_meta, global_batch=engine.batch_sizes.train_batch_size,
+                     directory=ckpt.directory, step=latest, warn=is_main)
+        if not check_steps(latest, steps, directory=ckpt.directory):
+            return _finished_record(output_dir, latest, ckpt.directory, show=is_main)
+    dataset = make_dataset(config, progress=show)
+    _check_vocab(config, dataset)
+    _check_fits(engine, force=force, show=show)
+    with _no_empty_folder(ckpt_dir):  # Ctrl-C or an error before the first save
+        ckpt = engine.checkpointer(ckpt_dir)
+        starting = f"restoring step {latest}" if latest is not None else "initializing the state"
+        with phase(starting, enabled=show):
+            state = _restore_or_init(engine, config, ckpt, latest)
+        start = int(jax.device_get(state.step))
+        batches = _train_batches(engine, dataset, start, saved_meta.get("data_state"))
+        log = MetricsLog(output_dir, tensorboard=config.logging.tensorboard, enabled=is_main)
+        every = max(1, config.logging.every_n_steps)
+        save_every = config.checkpoint.every_n_steps
+        save_seconds = config.checkpoint.every_n_minutes * 60
+        eval_every = config.logging.eval_every_n_steps
+        with phase("counting the step's FLOPs", enabled=show):
+            throughput = _Throughput(engine, engine.batch_sizes.train_batch_size * config.data.seq_len)
+        bar: Progress | None = None
+        record: TrainRecord = TrainRecord(step=start)
+        sampler = _sampler(engine) if config.logging.sample_every_n_steps else None
+        first_time = last_time = time.perf_counter()
+        last_step, last_save = start, time.monotonic()
+        try:
+            with _stop_on_signals() as stop:
+                for step in range(start, steps):
+                    if bar is None:  # the first step compiles it: rates are timed from its end
+                        first_time = time.perf_counter()
+                        with phase("compiling the train step", enabled=show):
+                            state, metrics = engine.train_step(state, next(batches))
+                            jax.block_until_ready(metrics)
+                        bar = Progress(steps, desc="train", unit="step", initial=step + 1, enabled=show)
+                        last_time, last_step = time.perf_counter(), step + 1
+                    else:
+                        state, metrics = engine.train_step(state, next(batches))
+                        bar.update(1)
+                    done = step + 1
+                    logging_now = done % every == 0 or done == steps
+                    sampling_now = sampler is not None and done % config.logging.sample_every_n_steps == 0
+                    stopping, clock_due = _agreed(
+                        stop["signum"] is not None,
+                        bool(save_seconds) and time.monotonic() - last_save >= save_seconds,
+                    )
+                    saving_now = (bool(save_every) and done % save_every == 0) or clock_due
+                    final = done == steps or stopping
+                    if not (logging_now or saving_now or sampling_now or final):
+                        continue
+                    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    _check_finite(config, values, done, ckpt)
+                    if logging_now:
+                        now = time.perf_counter()
+                        if done > last_step:
+                            rates = throughput.record(done - last_step, now - last_time)
+                        else:  # the first step alone: its compile is in its time
+                            rates = throughput.record(1, now - first_time)
+                        record = TrainRecord(step=done, **values, **rates)
+                        if eval_every and (done % eval_every == 0 or done == steps):
+                            record["eval_loss"] = evaluate(
+                                engine, state, dataset, batches=config.logging.eval_batches
+                            )
+                        log.write(record)
+                        bar.set_postfix(loss=f"{values['loss']:.4f}",
+                                        tokens_per_s=f"{record['tokens_per_second']:,.0f}")
+                    if sampling_now:
+                        text = sampler(state)  # every process decodes; the main one prints
+                        if is_main:  # on stdout, as before; tqdm.write keeps a bar intact
+                            tqdm.write(f"sample @ step {done}: {text!r}")
+                    if saving_now or final:
+                        meta = _data_meta(engine, batches, done)
+                        engine.save(state, directory=ckpt.directory, meta=meta)
+                        last_save = time.monotonic()
+                    if logging_now:
+                        last_time, last_step = time.perf_counter(), done
+                    if stopping:
+                        raise TrainingInterrupted(stop["signum"] or signal.SIGTERM, done, ckpt.directory)
+        finally:
+            batches.close()  # a Grain iterator stops its read threads (a generator just ends)
+            if bar is not None:
+                bar.close()
+            log.close()
+            ckpt.wait()
+        return record
