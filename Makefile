@@ -8,7 +8,7 @@ CONFIG ?= configs/gpt_tiny.yaml
 OUTPUT ?= runs/gpt_tiny
 TRAIN_ARGS ?=
 
-.PHONY: install train test test-fast test-jax-min test-gpu-compile plan maxtext bench-maxtext clean
+.PHONY: install train test test-fast test-jax-min test-gpu-compile test-wheel plan maxtext bench-maxtext clean
 
 install: $(STAMP)
 
@@ -65,6 +65,14 @@ test-gpu-compile: $(STAMP)
 	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_GPU)/bin/python -m pip install --quiet -e '.[test,gpu-compile]'
 	$(VENV_GPU)/bin/python -m pytest -n 2 -m gpu_compile --durations=10 $(GPU_COMPILE_TESTS)
+
+# jaxspeed as a user installs it (tools/test_wheel.sh): the wheel, built from a copy of the
+# sources, installed into a clean venv outside the checkout (pip's cache serves jax & co.), and
+# run from there: the shipped cluster presets, `plan --auto --cluster 8xh100-nvlink` and a
+# 2-step `train` on a tiny config, `bench`'s one-line refusal. About 2-6 minutes.
+WHEEL_WORK ?= $(or $(TMPDIR),/tmp)/jaxspeed-test-wheel
+test-wheel: $(STAMP)
+	tools/test_wheel.sh $(PY) $(WHEEL_WORK)
 
 # MaxText beside jaxspeed (benchmarks/maxtext_peer.py): its own venv outside the repository
 # (~2.5 GB, once), then the throughput benchmark's three configurations, both measured.

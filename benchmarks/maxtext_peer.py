@@ -12,7 +12,10 @@ its own dependencies; nothing of it enters the project's `.venv`.
 A run trains MaxText's decoder (RMSNorm, SwiGLU, rotary, untied embeddings: the llama shape of
 `configs/bench_tiny_llama.yaml`) on synthetic tokens with `per_device_batch_size` sequences per
 device on 8 emulated CPU devices, and reads the seconds of every step from MaxText's log
-("completed step: N, seconds: S").
+("completed step: N, seconds: S"). It runs under the host allocator jaxspeed runs under in this
+process (`jaxspeed.runtime.host_allocator.child_env`: glibc tunables with the settings of
+`keep_freed_memory`), so a ratio compares the trainers, not two allocators; `same_allocator=False`
+runs it under glibc's defaults.
 """
 
 from __future__ import annotations
@@ -131,15 +134,33 @@ def base_config(python: str | Path) -> str:
     return base.stdout.strip()
 
 
+def allocator_env(*, same_allocator: bool = True) -> dict[str, str]:
+    """The environment MaxText starts in: this process's host allocator as glibc tunables
+    (`same_allocator`), or the environment as it is (glibc's defaults)."""
+    from jaxspeed.runtime.host_allocator import child_env
+
+    return child_env() if same_allocator else dict(os.environ)
+
+
+def allocator(*, same_allocator: bool = True) -> str:
+    """What `run` gives MaxText as its allocator, in words (for the benchmark's JSON)."""
+    tunables = allocator_env(same_allocator=same_allocator).get("GLIBC_TUNABLES")
+    return f"GLIBC_TUNABLES={tunables}" if tunables else "glibc defaults"
+
+
 def run(python: str | Path, opts: dict[str, str], *, steps: int, devices: int = 8,
-        timeout: float = 1800.0) -> dict[int, float]:
+        timeout: float = 1800.0, same_allocator: bool = True) -> dict[int, float]:
     """Trains MaxText for `steps` steps with `opts`; returns {0-based step: seconds}.
+
+    `same_allocator`: under this process's host allocator (`allocator_env`), else glibc's
+    defaults.
 
     Raises:
       RuntimeError: MaxText failed or logged no step (with the end of its log).
     """
     base = base_config(python)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "DECOUPLE_GCLOUD": "TRUE",
+    env = {**allocator_env(same_allocator=same_allocator), "JAX_PLATFORMS": "cpu",
+           "DECOUPLE_GCLOUD": "TRUE",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     with tempfile.TemporaryDirectory(prefix="jaxspeed-maxtext-") as out:
         fixed = {"run_name": "peer", "base_output_directory": out,

@@ -19,6 +19,13 @@ its best run (a shared machine only ever slows a run down).
 Headline: fsdp8, ratio = jaxspeed tokens/s / MaxText tokens/s, both measured here. Without
 `--maxtext` nothing is compared and the lines carry no ratio.
 
+Both trainers run under one host allocator: this process keeps freed memory
+(`jaxspeed.keep_freed_memory`, as the `jaxspeed` command does), and MaxText's process gets the
+same settings as glibc tunables (`host_allocator` and `baseline_host_allocator` in the JSON), so
+the ratio compares trainers, not allocators. `--maxtext-system-allocator` also times MaxText
+under glibc's defaults, as it runs on its own (`baseline_system_allocator`,
+`ratio_system_allocator`).
+
 Each line also reports the machine's matmul peak, measured in the same run: the best square
 fp32 matmul rate (XLA's and OpenBLAS's, all cores). XLA's rates are timed after every jaxspeed
 run and OpenBLAS's once at the end, and each library's best is kept, as each trainer's best
@@ -182,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fsdp8 only, seq 64, 4 steps (tests)")
     parser.add_argument("--maxtext", metavar="PYTHON", default=None,
                         help="a Python with MaxText installed (`make maxtext`): run it beside us")
+    parser.add_argument("--maxtext-system-allocator", action="store_true",
+                        help="with --maxtext: also time MaxText under glibc's default allocator")
     parser.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=None,
                         help="configurations to run (default: all three; --quick: fsdp8)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                            * int(peer["gradient_accumulation_steps"])
                            * int(peer["max_target_length"]))
             assert peer_tokens == tokens_per_step, (peer_tokens, tokens_per_step)
-        runs = {"jaxspeed": [], "maxtext": []}
+        runs = {"jaxspeed": [], "maxtext": [], "maxtext_system_allocator": []}
         for r in range(rounds):
             print(f"[{name}] round {r + 1}/{rounds}: jaxspeed", file=sys.stderr, flush=True)
             records = train_jaxspeed(config, steps=steps)
@@ -246,9 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             peak_samples.append(matmul_peak_gflops(case["peak_sizes"], libraries=XLA_PEAKS))
             if peer is not None:
                 print(f"[{name}] round {r + 1}/{rounds}: MaxText", file=sys.stderr, flush=True)
-                seconds = maxtext_peer.run(args.maxtext, peer, steps=steps)
-                runs["maxtext"].append(aggregate(maxtext_records(seconds, tokens_per_step),
-                                                 tokens_per_step=tokens_per_step, skip=skip)[0])
+                for key, same in (("maxtext", True), ("maxtext_system_allocator", False)):
+                    if same or args.maxtext_system_allocator:
+                        seconds = maxtext_peer.run(args.maxtext, peer, steps=steps,
+                                                   same_allocator=same)
+                        runs[key].append(aggregate(maxtext_records(seconds, tokens_per_step),
+                                                   tokens_per_step=tokens_per_step, skip=skip)[0])
         dots = _step_dots.rate(engine.compile_train_step().as_text(), engine.mesh)
         rows.append({"name": name, "about": about, "config": config, "runs": runs, "peer": peer,
                      "dots_alone_gflops": dots["gflops"],
@@ -267,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
            "jaxspeed only (no --maxtext: nothing compared).")
         + (f" Overrides: {' '.join(args.overrides)}." if args.overrides else "")
     )
+    if args.maxtext:
+        print(f"Host allocator: jaxspeed {keep_freed_memory()}; MaxText "
+              f"{maxtext_peer.allocator(same_allocator=True)}"
+              + (", and glibc defaults (baseline_system_allocator)"
+                 if args.maxtext_system_allocator else "") + ".")
     print(f"Matmul peak here (same run, best of {len(peak_samples)} timings, sizes "
           f"{', '.join(map(str, case['peak_sizes']))}): fp32 "
           f"XLA {peaks['xla']:.1f}, OpenBLAS {peaks['openblas']:.1f} GFLOP/s; bf16 XLA "
@@ -322,7 +339,13 @@ def main(argv: list[str] | None = None) -> int:
                           ratio=_common.ratio(best["jaxspeed"], best["maxtext"]),
                           baseline_source=f"MaxText {maxtext_peer.VERSION}, run alternately "
                                           f"with jaxspeed in this run ({args.maxtext})",
-                          maxtext_options=row["peer"])
+                          maxtext_options=row["peer"],
+                          baseline_host_allocator=maxtext_peer.allocator(same_allocator=True))
+        if best["maxtext_system_allocator"]:
+            fields.update(
+                baseline_system_allocator=_common.round_figure(best["maxtext_system_allocator"]),
+                ratio_system_allocator=_common.ratio(best["jaxspeed"],
+                                                    best["maxtext_system_allocator"]))
         _common.print_json(fields)
     return 0
 

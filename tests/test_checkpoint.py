@@ -134,7 +134,7 @@ def test_train_resumes_and_exports(tmp_path):
     assert record["step"] == 6
     assert Checkpointer(resumed / "checkpoints").all_steps() == [4, 6]  # keep=2
 
-    out = js.export.export_params(resumed / "checkpoints", tmp_path / "params.msgpack")
+    out = js.export_params(resumed / "checkpoints", tmp_path / "params.msgpack")
     params = serialization.msgpack_restore(out.read_bytes())
     engine = js.initialize(cfg)
     expected = jax.device_get(engine.restore(directory=resumed / "checkpoints").params)

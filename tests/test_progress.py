@@ -14,10 +14,11 @@ def test_plain_lines_at_the_interval_and_at_the_end(monkeypatch):
         time.sleep(0.06)
         bar.set_postfix(loss="2.5")
         bar.update()
+        bar.update()  # within the interval: no line until the end
     lines = out.getvalue().splitlines()
     assert "\r" not in out.getvalue()
     assert lines[0].startswith("train: 2/4 (50%)") and "loss=2.5" in lines[0], lines
-    assert lines[-1].startswith("train: 2/4"), lines
+    assert lines[-1].startswith("train: 3/4"), lines
     assert len(lines) == 2
 
 
@@ -53,3 +54,12 @@ def test_phase_on_a_terminal_has_no_heartbeat(monkeypatch):
 def test_bad_interval_falls_back_to_the_default(monkeypatch):
     monkeypatch.setenv("JAXSPEED_PROGRESS_SECONDS", "soon")
     assert progress.interval() == progress.DEFAULT_INTERVAL
+
+
+def test_close_does_not_repeat_the_last_line(monkeypatch):
+    monkeypatch.setenv("JAXSPEED_PROGRESS_SECONDS", "0.01")
+    out = io.StringIO()
+    with progress.Progress(2, desc="plans", stream=out, terminal=False) as bar:
+        time.sleep(0.02)
+        bar.update(2)
+    assert len(out.getvalue().splitlines()) == 1, out.getvalue()

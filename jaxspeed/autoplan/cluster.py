@@ -1,7 +1,7 @@
 """The cluster an automatic plan is searched for: devices, memory, peak FLOP/s and links.
 
-A `Cluster` is data, read from YAML: a preset in `configs/clusters/<name>.yaml` or any file
-(`load_cluster`), or measured on this machine (`jaxspeed.autoplan.calibrate`). Link figures are
+A `Cluster` is data, read from YAML: a preset (`clusters/<name>.yaml` beside this module,
+shipped as package data) or any file (`load_cluster`), or measured on this machine (`jaxspeed.autoplan.calibrate`). Link figures are
 what one device gets while every device communicates at once, because that is what a collective
 over the whole mesh sees: a 10 GbE NIC shared by 8 GPUs is 1.25 / 8 GB/s per device.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import types
 from collections.abc import Mapping
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,8 +23,9 @@ from jaxspeed.config.schema import _Section
 from jaxspeed.config.units import parse_bytes
 from jaxspeed.errors import ConfigError, did_you_mean
 
-#: Folder of the preset clusters, found as `jaxspeed.cli` finds `benchmarks/`.
-PRESETS = Path(__file__).resolve().parent.parent.parent / "configs" / "clusters"
+#: Folder of the preset clusters: package data (`jaxspeed/autoplan/clusters/`), so an installed
+#: wheel has them too. Installed packages are folders, so it is a `Path`.
+PRESETS = Path(str(resources.files(__package__) / "clusters"))
 
 #: dtype spellings → `PeakTflops` field. fp16 shares the 16-bit tensor-core rate (V100 has no
 #: bf16; its fp16 rate is what a 16-bit step reaches).
@@ -129,7 +131,7 @@ class Cluster(_Section):
 
 
 def available_presets() -> list[str]:
-    """Names of the preset clusters (`configs/clusters/*.yaml`), sorted."""
+    """Names of the preset clusters (`PRESETS`: `jaxspeed/autoplan/clusters/*.yaml`), sorted."""
     return sorted(path.stem for path in PRESETS.glob("*.yaml"))
 
 

@@ -1,7 +1,8 @@
 """`jaxspeed train | bench | launch`: the commands that run something.
 
 This module owns the commands that start a run: `train` trains the reference GPT of a
-config, `bench` runs a script of `benchmarks/` with the arguments given, and
+config, `bench` runs a script of `benchmarks/` with the arguments given (the benchmarks are
+not part of the package: they need the source checkout, `pip install -e .`), and
 `launch` starts N processes of a command on this machine, wired for `jax.distributed`; its
 exit code is theirs.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from jaxspeed.cli.parser import load_config_args
 
+#: The source checkout's benchmarks (beside the `jaxspeed` package in an editable install).
 BENCHMARKS = Path(__file__).resolve().parent.parent.parent / "benchmarks"
 
 
@@ -34,9 +36,15 @@ def bench_command(args) -> int:
     """`jaxspeed bench NAME ARGS...`: runs `benchmarks/NAME.py` with ARGS as its argv."""
     from jaxspeed.errors import JaxspeedError
 
+    if not BENCHMARKS.is_dir():
+        package = Path(__file__).resolve().parent.parent
+        raise JaxspeedError(
+            f"jaxspeed bench runs the scripts of benchmarks/ in jaxspeed's source checkout, and "
+            f"this jaxspeed ({package}) is installed without them: clone the repository and "
+            f"`pip install -e .` it, or run `python benchmarks/{args.name}.py` there")
     script = BENCHMARKS / f"{args.name}.py"
     if args.name.startswith("_") or not script.is_file():
-        names = sorted(p.stem for p in BENCHMARKS.glob("[!_]*.py")) if BENCHMARKS.is_dir() else []
+        names = sorted(p.stem for p in BENCHMARKS.glob("[!_]*.py"))
         raise JaxspeedError(f"unknown benchmark {args.name!r}; available: {names}")
     sys.argv = [str(script), *args.args]
     runpy.run_path(str(script), run_name="__main__")

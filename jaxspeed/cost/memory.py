@@ -9,7 +9,7 @@ report on this backend. Nothing labelled `compiled` holds a modelled adjustment.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TypedDict
 
 import jax
 import numpy as np
@@ -34,6 +34,42 @@ STREAM_NOTE = (
     "the streamed layers' gradients go to host memory as the backward pass makes them: the "
     "model subtracts all but one layer's from the compiled temp"
 )
+
+
+class PerDeviceBytes(TypedDict):
+    """Bytes one device needs, by category (`MemoryReport.per_device_bytes`)."""
+
+    params: int
+    grads: int
+    opt_state: int
+    temp: int  #: the compiled step's scratch: activations, gradients, collectives' buffers
+    total: int  #: arguments + outputs - aliased + temp, as compiled (host memory included)
+    device: int  #: what must fit in device memory
+    host: int  #: what lives in host memory
+
+
+class DeviceModelRow(TypedDict):
+    """One term of a modelled `device` figure, its sign applied."""
+
+    term: str
+    bytes: int
+    source: str
+
+
+class MemoryReport(TypedDict):
+    """`Engine.memory_report()`: a dict with these keys (see `memory_report`)."""
+
+    mesh: dict[str, int]
+    zero_stage: int
+    source: str  #: `compiled-cpu` or `compiled-gpu`: whose `memory_analysis()` it is
+    device_kind: str
+    per_device_bytes: PerDeviceBytes
+    sources: dict[str, str]  #: per key of `per_device_bytes`: one of `SOURCES`
+    device_model: list[DeviceModelRow]  #: empty when `device` is compiled
+    estimate: dict[str, int]  #: from the shardings: params, grads, opt_state, state_total, host
+    compiled: dict[str, int]  #: XLA's figures, unchanged (`compiled_stats`)
+    host_bytes: int
+    notes: list[str]
 
 
 def sharded_bytes(tree) -> int:
@@ -102,7 +138,7 @@ def _offload_terms(engine, state, *, temp: int, grads: int) -> dict[str, int]:
     return {"fetched": fetched, "update": update, "streamed_grads": credit}
 
 
-def _device_model(total: int, on_host_state: int, terms: dict[str, int]) -> list[dict[str, Any]]:
+def _device_model(total: int, on_host_state: int, terms: dict[str, int]) -> list[DeviceModelRow]:
     """The rows that sum to the modelled device bytes, each with its sign applied and source."""
     rows = [
         ("compiled_total", total, COMPILED),
@@ -111,10 +147,10 @@ def _device_model(total: int, on_host_state: int, terms: dict[str, int]) -> list
         ("update", terms["update"], MODEL),
         ("streamed_grads", -terms["streamed_grads"], MODEL),
     ]
-    return [{"term": term, "bytes": value, "source": source} for term, value, source in rows]
+    return [DeviceModelRow(term=term, bytes=value, source=source) for term, value, source in rows]
 
 
-def memory_report(engine) -> dict[str, Any]:
+def memory_report(engine) -> MemoryReport:
     """Per-device bytes for params / grads / opt state / temp / host, estimated and compiled.
 
     `estimate` comes from the plan's shardings (source `arrays`); `compiled` is XLA's
@@ -143,7 +179,8 @@ def memory_report(engine) -> dict[str, Any]:
     compiled = compiled_stats(engine.compile_train_step())
     total = step_peak(compiled)
     on_host_state = host_bytes(state)
-    notes, device_model = [], []
+    notes: list[str] = []
+    device_model: list[DeviceModelRow] = []
     sources = {name: ARRAYS for name in estimate} | {"temp": COMPILED, "total": COMPILED}
     host_fields = ("host_argument", "host_output", "host_temp")
     if any(compiled[name] for name in host_fields):
@@ -163,18 +200,17 @@ def memory_report(engine) -> dict[str, Any]:
         host, device = 0, total
         sources |= {"device": COMPILED, "host": COMPILED}
     compiled_for = engine.mesh.devices.flat[0]
-    return {
-        "mesh": dict(engine.mesh.shape),
-        "zero_stage": engine.plan.stage,
-        "source": f"compiled-{compiled_for.platform}",
-        "device_kind": compiled_for.device_kind,
-        "per_device_bytes": {
-            **estimate, "temp": compiled["temp"], "total": total, "device": device, "host": host,
-        },
-        "sources": sources,
-        "device_model": device_model,
-        "estimate": {**estimate, "state_total": sum(estimate.values()), "host": on_host_state},
-        "compiled": compiled,
-        "host_bytes": host,
-        "notes": notes,
-    }
+    return MemoryReport(
+        mesh=dict(engine.mesh.shape),
+        zero_stage=engine.plan.stage,
+        source=f"compiled-{compiled_for.platform}",
+        device_kind=compiled_for.device_kind,
+        per_device_bytes=PerDeviceBytes(
+            **estimate, temp=compiled["temp"], total=total, device=device, host=host),
+        sources=sources,
+        device_model=device_model,
+        estimate={**estimate, "state_total": sum(estimate.values()), "host": on_host_state},
+        compiled=compiled,
+        host_bytes=host,
+        notes=notes,
+    )

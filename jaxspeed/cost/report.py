@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
-from jaxspeed.cost.memory import COMPILED
+from jaxspeed.cost.memory import COMPILED, MemoryReport
 from jaxspeed.cost.hlo import COLLECTIVES
 from jaxspeed.sharding.explain import format_bytes
+
+
+class ProfileReport(TypedDict):
+    """`Engine.profile()`: FLOPs, peak and collective bytes of one compiled train step
+    (`jaxspeed.cost.flops.step_profile`)."""
+
+    flops: int  #: global matmul FLOPs of the step (`jaxpr_flops`: loops counted)
+    flops_per_device: float
+    xla_flops_per_device: float  #: XLA's `cost_analysis()` (a loop body counted once)
+    peak_flops_per_device: float | None  #: None when the device's peak is not known
+    device_kind: str
+    collective_bytes: dict[str, int]  #: per collective kind and `total`, per device
 
 
 def _fmt(value) -> str:
@@ -37,7 +49,7 @@ TARGET_LINE = (
 )
 
 
-def format_memory(report: dict[str, Any]) -> list[str]:
+def format_memory(report: MemoryReport) -> list[str]:
     """The memory table: the estimate (arrays), the step's figure and where that figure is from."""
     est, comp, per = report["estimate"], report["compiled"], report["per_device_bytes"]
     compiled = report["source"]  # which compiler's analysis: compiled-gpu or compiled-cpu
@@ -70,7 +82,7 @@ def format_memory(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_profile(profile: dict[str, Any]) -> list[str]:
+def format_profile(profile: ProfileReport) -> list[str]:
     lines = [
         f"step FLOPs (matmul, all devices)    {profile['flops']:.3e}",
         f"step FLOPs per device               {profile['flops_per_device']:.3e}",

@@ -63,6 +63,7 @@ class Progress:
         self.n = self.initial = initial
         self.postfix: dict[str, str] = {}
         self._start = self._last = time.monotonic()
+        self._printed = initial  # the count of the last plain line
         self._bar = None
         if enabled and self.terminal:
             self._bar = tqdm(total=total, initial=initial, desc=desc, unit=unit,
@@ -105,14 +106,14 @@ class Progress:
         )
 
     def _print_line(self) -> None:
-        self._last = time.monotonic()
+        self._last, self._printed = time.monotonic(), self.n
         print(self.line(), file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self.enabled and self.n > self.initial:
+        elif self.enabled and self.n > self._printed:
             self._print_line()
         self.enabled = False
 

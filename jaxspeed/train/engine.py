@@ -23,9 +23,11 @@ from jaxspeed.train.assembly import (
 )
 from jaxspeed.checkpoint.state import Checkpointer
 from jaxspeed.config import Config, load_config, resolve_batch
+from jaxspeed.cost.flops import jaxpr_flops, step_profile
+from jaxspeed.cost.memory import MemoryReport, memory_report
+from jaxspeed.cost.report import ProfileReport
 from jaxspeed.data.dataset import make_global_batch
 from jaxspeed.errors import ConfigError
-from jaxspeed.runtime.host_allocator import keep_freed_memory
 from jaxspeed.ops.losses import lm_loss
 from jaxspeed.runtime.mesh import PIPE, data_parallel_size, make_mesh
 from jaxspeed.optim import build_optimizer
@@ -38,7 +40,6 @@ from jaxspeed.optim.factory import onebit_freeze_step
 from jaxspeed.optim.onebit import COMPRESSED, WARMUP
 from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
 from jaxspeed.train.step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
-from pallas_kernels._backend import is_cpu
 
 
 class Engine:
@@ -49,7 +50,8 @@ class Engine:
     """
 
     def __init__(
-        self, *, config: Config, mesh: Mesh, fns: ModelFns, plan: Plan, loss_fn, model=None
+        self, *, config: Config, mesh: Mesh, fns: ModelFns, plan: Plan, loss_fn, model=None,
+        sample_batch=None,
     ):
         self.config = config
         self.mesh = mesh
@@ -57,6 +59,8 @@ class Engine:
         self.plan = plan
         #: the Flax module when one was given (or built from `config.model`), else None
         self.model = model if isinstance(model, nn.Module) else None
+        #: `initialize`'s `sample_batch` as `ShapeDtypeStruct`s (None: token batches)
+        self.sample_batch = sample_batch
         self.batch_sizes = resolve_batch(config, data_parallel_size(mesh))
         host_update = config.zero_optimization.offload_optimizer.update_on == "host"
         self.onebit_axes = onebit_axes(config, mesh)
@@ -205,12 +209,15 @@ class Engine:
         )
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """The global train batch as `ShapeDtypeStruct`s (token models: inputs and targets)."""
-        shape = (self.batch_sizes.train_batch_size, self.config.data.seq_len)
-        sharding = self.batch_sharding(2)
-        return {
-            k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in ("inputs", "targets")
-        }
+        """The global train batch as `ShapeDtypeStruct`s: each entry of `sample_batch` with
+        `train_batch_size` rows, or int32 `inputs` and `targets` `[rows, data.seq_len]`."""
+        rows = self.batch_sizes.train_batch_size
+        sample = self.sample_batch
+        if sample is None:
+            tokens = jax.ShapeDtypeStruct((rows, self.config.data.seq_len), jnp.int32)
+            sample = {"inputs": tokens, "targets": tokens}
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            (rows, *x.shape[1:]), x.dtype, sharding=self.batch_sharding(len(x.shape))), sample)
 
     # -- state ---------------------------------------------------------------------------
     def _init_fn(self, rng, params):
@@ -277,16 +284,12 @@ class Engine:
 
     def step_flops(self) -> int:
         """Global matmul FLOPs of one train step (loops counted; see `cost.flops.jaxpr_flops`)."""
-        from jaxspeed.cost.flops import jaxpr_flops
-
         with self._context():
             step = self._train[self._phase(None)]
             return jaxpr_flops(step, self.abstract_state(), self.abstract_batch())
 
-    def profile(self) -> dict[str, Any]:
+    def profile(self) -> ProfileReport:
         """FLOPs, the device's peak, and collective bytes per device of the compiled step."""
-        from jaxspeed.cost.flops import step_profile
-
         device = self.mesh.devices.flat[0]
         return step_profile(
             self.compile_train_step(),
@@ -322,10 +325,9 @@ class Engine:
         state, _ = self.checkpointer(directory).restore(self.abstract_state(), step=step)
         return state
 
-    def memory_report(self) -> dict[str, Any]:
-        """Per-device bytes by category, estimated from shardings and read from the compiled step."""
-        from jaxspeed.cost.memory import memory_report
-
+    def memory_report(self) -> MemoryReport:
+        """Per-device bytes by category, estimated from shardings and read from the compiled
+        step (`jaxspeed.cost.memory.memory_report`)."""
         return memory_report(self)
 
 
@@ -354,8 +356,10 @@ def initialize(
       model: a Flax Linen module, a Flax NNX module, an apply function `(params, inputs)`
         with `params=`, or None for the reference GPT described by `config.model`.
       loss_fn: `(outputs, batch) -> scalar`; default next-token cross entropy.
-      sample_batch: a batch (only `inputs` shapes matter) for Linen init; default
-        `[micro_batch, data.seq_len]` int32 tokens.
+      sample_batch: a batch like the train step's, any number of rows: `inputs` (the model's
+        input; it initialises a Linen model) and what `loss_fn` reads (default loss: `targets`,
+        else shaped like `inputs`). `memory_report`/`profile` compile for its shapes and
+        dtypes. Default: int32 `inputs` and `targets` `[micro_batch, data.seq_len]`.
       mesh: a mesh; default `make_mesh(config.mesh)`.
       params: params for a plain apply function.
       param_axes: logical axis names for plain params (pytree or `(path, leaf) -> names`).
@@ -365,15 +369,16 @@ def initialize(
         config = load_config(config)
     check_supported(config)
     mesh = mesh if mesh is not None else make_mesh(config.mesh)
-    if is_cpu(mesh.devices.flat[0]):
-        keep_freed_memory()  # XLA:CPU mallocs each step's scratch afresh
     check_mesh(config, mesh, reference_model=model is None)
     batch = resolve_batch(config, data_parallel_size(mesh))
     zero = config.zero_optimization
     if model is None:
         model = reference_gpt(config)
+    given = sample_batch
     if sample_batch is None:
         sample_batch = {"inputs": np.zeros((batch.micro_batch_per_device, config.data.seq_len), np.int32)}
+    elif loss_fn is None and "targets" not in sample_batch:  # lm_loss: next tokens, as `inputs`
+        given = {**sample_batch, "targets": sample_batch["inputs"]}
     fns = model_fns(model, sample_inputs=sample_batch["inputs"], params=params, param_axes=param_axes)
     plan = plan_sharding(
         fns.abstract_params,
@@ -385,5 +390,6 @@ def initialize(
         offload_params=zero.offload_param.device == "cpu",
     )
     return Engine(
-        config=config, mesh=mesh, fns=fns, plan=plan, loss_fn=loss_fn or lm_loss, model=model
+        config=config, mesh=mesh, fns=fns, plan=plan, loss_fn=loss_fn or lm_loss, model=model,
+        sample_batch=None if given is None else jax.eval_shape(lambda: given),
     )

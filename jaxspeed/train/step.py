@@ -16,7 +16,8 @@ from jaxspeed.ops import precision
 
 
 class TrainState(flax.struct.PyTreeNode):
-    """Everything a step reads and writes.
+    """Everything a step reads and writes (not flax's `train_state.TrainState`: the model and
+    the optimizer live in the `Engine`, so there is no `apply_fn` or `tx` here).
 
     Attributes:
       step: number of steps taken (skipped fp16 steps included).
