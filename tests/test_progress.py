@@ -63,3 +63,18 @@ def test_close_does_not_repeat_the_last_line(monkeypatch):
         time.sleep(0.02)
         bar.update(2)
     assert len(out.getvalue().splitlines()) == 1, out.getvalue()
+
+
+def test_quiet_work_shorter_than_the_interval_says_nothing(monkeypatch):
+    monkeypatch.setenv("JAXSPEED_PROGRESS_SECONDS", "30")
+    out = io.StringIO()
+    with progress.phase("reading", stream=out, terminal=False, quiet=True):
+        pass
+    with progress.Progress(3, desc="export", stream=out, terminal=False, quiet=True) as bar:
+        bar.update(3)
+    assert out.getvalue() == ""
+    monkeypatch.setenv("JAXSPEED_PROGRESS_SECONDS", "0.02")
+    with progress.phase("reading", stream=out, terminal=False, quiet=True):
+        time.sleep(0.05)
+    lines = out.getvalue().splitlines()
+    assert "still running" in lines[0] and lines[-1].startswith("reading: done in "), lines

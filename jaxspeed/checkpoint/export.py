@@ -12,12 +12,8 @@ whose `checkpoints/` is meant), or by a params checkpoint (`jaxspeed import-hf`)
 
 from __future__ import annotations
 
-import sys
 import tempfile
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +26,7 @@ from jaxspeed.checkpoint import params as params_checkpoint
 from jaxspeed.checkpoint.state import Checkpointer, CheckpointError
 from jaxspeed.config import load_config
 from jaxspeed.runtime.mesh import make_mesh
-from jaxspeed.runtime.progress import interval
+from jaxspeed.runtime.progress import phase
 from jaxspeed.train.engine import initialize
 
 #: The saved run's batch and mesh do not matter for reading params: one row per replica...
@@ -58,28 +54,6 @@ def checkpoint_directory(path: str | Path) -> Path:
         return path
     inner = path / RUN_CHECKPOINTS
     return inner if inner.is_dir() else path
-
-
-@contextmanager
-def _long(desc: str) -> Iterator[None]:
-    """Like `jaxspeed.runtime.progress.phase`, but silent for work shorter than one
-    `interval()`: past it, "desc: still running (Ns)" every interval, and its time at the end."""
-    start, done = time.monotonic(), threading.Event()
-
-    def beat() -> None:
-        while not done.wait(interval()):
-            print(f"{desc}: still running ({time.monotonic() - start:.0f}s)", file=sys.stderr,
-                  flush=True)
-
-    thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-    if time.monotonic() - start >= interval():
-        print(f"{desc}: done in {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
 
 
 def _has_steps(directory: Path) -> bool:
@@ -117,7 +91,7 @@ def export_params(checkpoint_dir: str | Path, out: str | Path, *, step: int | No
             f"{directory} is an import-hf checkpoint; export it with --format hf")
     params, _, _ = read_params(directory, step=step)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _long(f"export: writing {out}"):
+    with phase(f"export: writing {out}", quiet=True):
         with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", delete=False) as f:
             tmp = Path(f.name)
             try:
@@ -165,7 +139,7 @@ def read_params(checkpoint: str | Path, *, step: int | None = None,
             "that wrote it (engine.restore)")
     if check is not None:
         check(meta["config"]["model"])
-    with _long(f"reading the params of {ckpt.directory / str(step)}"):
+    with phase(f"reading the params of {ckpt.directory / str(step)}", quiet=True):
         params = _restore_params(ckpt.directory / str(step) / "state")
     return params, meta["config"]["model"], meta
 

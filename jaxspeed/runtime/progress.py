@@ -51,15 +51,18 @@ class Progress:
       enabled: False shows nothing (a process other than the first, `--no-progress`).
       terminal: force the bar (True) or the plain lines (False); default: whether `stream` is a TTY.
       stream: where to write (default stderr).
+      quiet: without a terminal, no closing line for work shorter than one `interval()` (a
+        small conversion says nothing).
     """
 
     def __init__(self, total: int | None, *, desc: str, unit: str = "it", initial: int = 0,
                  enabled: bool = True, terminal: bool | None = None, stream: IO[str] | None = None,
-                 unit_scale: bool = False):
+                 unit_scale: bool = False, quiet: bool = False):
         self.stream = sys.stderr if stream is None else stream
         self.enabled = enabled
         self.terminal = is_terminal(self.stream) if terminal is None else terminal
         self.total, self.desc, self.unit, self.unit_scale = total, desc, unit, unit_scale
+        self.quiet = quiet
         self.n = self.initial = initial
         self.postfix: dict[str, str] = {}
         self._start = self._last = time.monotonic()
@@ -113,18 +116,20 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self.enabled and self.n > self._printed:
+        elif self.enabled and self.n > self._printed and not (
+                self.quiet and time.monotonic() - self._start < interval()):
             self._print_line()
         self.enabled = False
 
 
 @contextmanager
 def phase(desc: str, *, enabled: bool = True, terminal: bool | None = None,
-          stream: IO[str] | None = None) -> Iterator[None]:
+          stream: IO[str] | None = None, quiet: bool = False) -> Iterator[None]:
     """Reports a long step that has no count: "desc ...", a heartbeat, then its time.
 
     On a terminal it prints the start and end lines only; elsewhere it also prints
     "desc: still running (Ns)" every `interval()` seconds, so a log shows the process is alive.
+    `quiet`: no start line, and the end line only when the step ran past one `interval()`.
     """
     stream = sys.stderr if stream is None else stream
     if not enabled:
@@ -138,7 +143,8 @@ def phase(desc: str, *, enabled: bool = True, terminal: bool | None = None,
         while not done.wait(interval()):
             print(f"{desc}: still running ({time.monotonic() - start:.0f}s)", file=stream, flush=True)
 
-    print(f"{desc} ...", file=stream, flush=True)
+    if not quiet:
+        print(f"{desc} ...", file=stream, flush=True)
     thread = threading.Thread(target=beat, daemon=True) if heartbeat else None
     if thread is not None:
         thread.start()
@@ -148,4 +154,5 @@ def phase(desc: str, *, enabled: bool = True, terminal: bool | None = None,
         done.set()
         if thread is not None:
             thread.join()
-    print(f"{desc}: done in {time.monotonic() - start:.1f}s", file=stream, flush=True)
+    if not (quiet and time.monotonic() - start < interval()):
+        print(f"{desc}: done in {time.monotonic() - start:.1f}s", file=stream, flush=True)

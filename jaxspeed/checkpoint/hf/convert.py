@@ -19,7 +19,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,7 +32,7 @@ from jaxspeed.checkpoint.state import CheckpointError
 from jaxspeed.checkpoint.hf import files as hf_files
 from jaxspeed.checkpoint.hf.config import check_exportable, hf_from_model, model_from_hf
 from jaxspeed.checkpoint.hf.weights import check_names, hf_shapes, hf_tensors, param_blocks, param_shapes
-from jaxspeed.runtime.progress import Progress, interval
+from jaxspeed.runtime.progress import Progress
 
 #: `--dtype` choices.
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -68,20 +67,6 @@ def _staging(out: Path) -> Iterator[Path]:
         (staging / out.name).rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-@contextmanager
-def _progress(total: int, desc: str) -> Iterator[Progress]:
-    """A `Progress` over tensors whose closing line is left out when the work took less than
-    one `interval()` (a small model's conversion says nothing)."""
-    start = time.monotonic()
-    progress = Progress(total, desc=desc, unit="tensor")
-    try:
-        yield progress
-    finally:
-        if not progress.terminal and time.monotonic() - start < interval():
-            progress.enabled = False
-        progress.close()
 
 
 def _counting(read: Callable[[str], Any], progress: Progress) -> Callable[[str], Any]:
@@ -131,8 +116,8 @@ def import_hf(folder: str | Path, out: str | Path, *, dtype: str | None = None) 
     }
     if cast is not None:
         hf["config"] = {**config, "dtype" if "dtype" in config else "torch_dtype": str(cast)}
-    with hf_files.tensor_reader(files) as read, _staging(out) as staging, \
-            _progress(len(hf_shapes(model)), f"import-hf {folder.name}") as progress:
+    counter = Progress(len(hf_shapes(model)), desc=f"import-hf {folder.name}", unit="tensor", quiet=True)
+    with hf_files.tensor_reader(files) as read, _staging(out) as staging, counter as progress:
         dtype = cast or read("model.norm.weight").dtype
         blocks = param_blocks(_counting(read, progress), model, dtype=dtype, source=str(folder))
         params_checkpoint.write_params(staging, param_shapes(model, dtype), blocks, model=model,
@@ -188,7 +173,7 @@ def export_hf(
     names = set(tensors)
     layout = hf if hf is not None and names == {n for ns in hf["files"].values() for n in ns} else None
     with _staging(out) as staging, \
-            _progress(len(tensors), f"export {out.name}") as progress:
+            Progress(len(tensors), desc=f"export {out.name}", unit="tensor", quiet=True) as progress:
         staging.mkdir()
         if layout is not None and (layout["sharded"] or len(layout["files"]) > 1):
             hf_files.write_tensors(staging, tensors, files=layout["files"],
