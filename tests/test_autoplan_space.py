@@ -6,7 +6,7 @@ import pytest
 
 import jaxspeed as js
 from jaxspeed.autoplan.space import OFFLOAD, REMAT, Candidate, apply, candidates, meshes
-from jaxspeed.runtime.mesh import AXES
+from jaxspeed.runtime.mesh import CONFIG_AXES as AXES
 
 BASE = ["model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=4", "model.d_ff=64", "model.d_model=32",
         "data.seq_len=32", "model.max_seq_len=32", "train_batch_size=32"]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError
-from jaxspeed.runtime.mesh import AXES, HOST
+from jaxspeed.runtime.mesh import CONFIG_AXES
 
 #: Remat policies searched (`jaxspeed.ops.remat`), least device memory last; `offload_dots` keeps
 #: the projections' outputs in host memory.
@@ -41,7 +41,7 @@ ON_HOST = {"none": (), "optimizer": ("opt_state",), "params": ("opt_state", "par
 class Candidate:
     """One plan: the choices `plan --auto` makes, applied to a base config by `apply`."""
 
-    #: (axis, size) in `AXES` order, as config keys: no `host` (`data` is the total degree)
+    #: (axis, size) in `CONFIG_AXES` order: config keys, `data` the total degree
     mesh: tuple[tuple[str, int], ...]
     stage: int
     remat: str
@@ -180,7 +180,7 @@ def candidates(config: Config, devices: int, devices_per_host: int) -> Iterator[
     if config.train_batch_size is None:
         raise ConfigError("plan --auto holds the global batch fixed: set train_batch_size")
     for sizes in meshes(config, devices, devices_per_host):
-        mesh = tuple((a, sizes[a]) for a in AXES if a != HOST)
+        mesh = tuple((a, sizes[a]) for a in CONFIG_AXES)
         rows = config.train_batch_size // (sizes["data"] * sizes["expert"])
         for micro in _divisors(rows):
             accumulation = rows // micro

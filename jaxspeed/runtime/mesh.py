@@ -31,8 +31,8 @@ DATA_PARALLEL_AXES: tuple[str, ...] = (HOST, DATA, EXPERT)
 #: a ZeRO-sharded dimension is split data-major, so gathering over `host` alone yields
 #: contiguous blocks of the intra-host partition (what ZeRO++'s hpZ needs).
 ZERO_AXES: tuple[str, ...] = (DATA, HOST, SEQUENCE, EXPERT)
-#: The config keys of `mesh`: `data` is the total data-parallel degree, `hosts` its split.
-_CONFIG_AXES: tuple[str, ...] = tuple(axis for axis in AXES if axis != HOST)
+#: The axis keys of the `mesh` config: no `host` (`data` is the total degree, `mesh.hosts` its split).
+CONFIG_AXES: tuple[str, ...] = tuple(axis for axis in AXES if axis != HOST)
 
 
 def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -115,11 +115,11 @@ def config_axis_sizes(
             f"mesh: {HOST!r} is not a config key; set mesh.hosts (mesh.data stays the total "
             f"data-parallel degree)"
         )
-    unknown = set(sizes) - set(_CONFIG_AXES)
+    unknown = set(sizes) - set(CONFIG_AXES)
     if unknown:
         raise ConfigError(
             f"mesh: unknown axis {sorted(unknown)}; accepted keys are "
-            f"{['hosts', *_CONFIG_AXES]}"
+            f"{['hosts', *CONFIG_AXES]}"
         )
     resolved = resolve_axis_sizes(sizes, num_devices)
     host = resolve_hosts(hosts, resolved[DATA], process_count)
