@@ -103,7 +103,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def candidate(mesh, stage, remat, micro, accumulation, schedule, offload="none"):
     from jaxspeed.autoplan.space import Candidate
-    from jaxspeed.runtime.mesh import AXES
+    from jaxspeed.runtime.mesh import CONFIG_AXES as AXES
 
     return Candidate(tuple((a, mesh.get(a, 1)) for a in AXES), stage, remat, micro, accumulation, schedule,
                      offload)

@@ -13,7 +13,7 @@ from jaxspeed.autoplan.search import NoPlanFits, compiled_cost, proxy_sizes, sea
 from jaxspeed.autoplan.space import Candidate
 from jaxspeed.cli import main
 from jaxspeed.cost.fit import engine_verdict
-from jaxspeed.runtime.mesh import AXES
+from jaxspeed.runtime.mesh import CONFIG_AXES as AXES
 from jaxspeed.train.loop import train
 from test_cli import run_cli
 

@@ -6,7 +6,7 @@ import pytest
 
 import jaxspeed as js
 from jaxspeed.autoplan.space import OFFLOAD, REMAT, Candidate, apply, candidates, meshes
-from jaxspeed.runtime.mesh import AXES
+from jaxspeed.runtime.mesh import CONFIG_AXES as AXES
 
 BASE = ["model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=4", "model.d_ff=64", "model.d_model=32",
         "data.seq_len=32", "model.max_seq_len=32", "train_batch_size=32"]
@@ -69,7 +69,7 @@ def test_apply_sets_the_plan_and_keeps_the_rest():
     plan = Candidate((("pipe", 2), ("data", 2), ("sequence", 1), ("expert", 1), ("tensor", 2)),
                      2, "full", 4, 4, "1f1b", "optimizer")
     out = apply(config, plan)
-    assert out.mesh.model_dump() == {"pipe": 2, "data": 2, "sequence": 1, "expert": 1, "tensor": 2}
+    assert out.mesh.axis_sizes() == {"pipe": 2, "data": 2, "sequence": 1, "expert": 1, "tensor": 2}
     assert out.zero_optimization.stage == 2 and out.zero_optimization.offload_optimizer.device == "cpu"
     assert out.activation_checkpointing.policy == "full"
     assert (out.train_micro_batch_size_per_device, out.gradient_accumulation_steps) == (4, 4)

@@ -42,7 +42,8 @@ def _example_module():
 def test_example_model_puts_its_experts_on_the_expert_axis():
     example = _example_module()
     engine = js.initialize(example.CONFIG, model=example.MoEByteLM())  # plans, compiles nothing
-    assert dict(engine.mesh.shape) == {"pipe": 1, "data": 2, "sequence": 1, "expert": 4, "tensor": 1}
+    assert dict(engine.mesh.shape) == {
+        "host": 1, "pipe": 1, "data": 2, "sequence": 1, "expert": 4, "tensor": 1}
     params = engine.plan.params
     # expert weights: experts over `expert`, ZeRO-3 over `data`
     assert params["moe"]["expert_w_in"].spec == P("expert", None, "data")
@@ -57,7 +58,8 @@ def test_gpt_moe_config_is_expert_parallel_with_zero3():
     assert config.zero_optimization.stage == 3
     assert config.model.moe.num_experts % config.mesh.expert == 0
     engine = js.initialize(config)
-    assert dict(engine.mesh.shape) == {"pipe": 1, "data": 2, "sequence": 1, "expert": 4, "tensor": 1}
+    assert dict(engine.mesh.shape) == {
+        "host": 1, "pipe": 1, "data": 2, "sequence": 1, "expert": 4, "tensor": 1}
     moe = engine.plan.params["layers"]["moe_block"]["moe"]
     assert moe["expert_w_in"].spec == P(None, "expert", None, "data")  # [units, E, M, H]
     dense_wi = engine.plan.params["layers"]["dense_0"]["mlp"]["wi"]

@@ -126,6 +126,7 @@ def test_gpt_3d_config_builds_a_3d_engine():
 
     path = Path(__file__).resolve().parent.parent / "configs" / "gpt_3d.yaml"
     engine = js.initialize(js.load_config(path))
-    assert dict(engine.mesh.shape) == {"pipe": 2, "data": 2, "sequence": 1, "expert": 1, "tensor": 2}
+    assert dict(engine.mesh.shape) == {
+        "host": 1, "pipe": 2, "data": 2, "sequence": 1, "expert": 1, "tensor": 2}
     assert engine.config.zero_optimization.stage == 3
     assert engine.batch_sizes.accumulation_steps == engine.config.pipeline.num_microbatches

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError
-from jaxspeed.runtime.mesh import AXES
+from jaxspeed.runtime.mesh import CONFIG_AXES
 
 #: Remat policies searched (`jaxspeed.ops.remat`), least device memory last; `offload_dots` keeps
 #: the projections' outputs in host memory.
@@ -41,7 +41,8 @@ ON_HOST = {"none": (), "optimizer": ("opt_state",), "params": ("opt_state", "par
 class Candidate:
     """One plan: the choices `plan --auto` makes, applied to a base config by `apply`."""
 
-    mesh: tuple[tuple[str, int], ...]  #: (axis, size) in `AXES` order
+    #: (axis, size) in `CONFIG_AXES` order: config keys, `data` the total degree
+    mesh: tuple[tuple[str, int], ...]
     stage: int
     remat: str
     micro_batch: int  #: rows per data-parallel replica per micro-step
@@ -179,7 +180,7 @@ def candidates(config: Config, devices: int, devices_per_host: int) -> Iterator[
     if config.train_batch_size is None:
         raise ConfigError("plan --auto holds the global batch fixed: set train_batch_size")
     for sizes in meshes(config, devices, devices_per_host):
-        mesh = tuple((a, sizes[a]) for a in AXES)
+        mesh = tuple((a, sizes[a]) for a in CONFIG_AXES)
         rows = config.train_batch_size // (sizes["data"] * sizes["expert"])
         for micro in _divisors(rows):
             accumulation = rows // micro

@@ -34,9 +34,10 @@ _ONE_ROW = [
     "train_batch_size=null", "train_micro_batch_size_per_device=1", "gradient_accumulation_steps=1",
 ]
 #: ... on one device,
-_ONE_DEVICE = ["mesh.pipe=1", "mesh.data=1", "mesh.sequence=1", "mesh.expert=1", "mesh.tensor=1"]
+_ONE_DEVICE = ["mesh.pipe=1", "mesh.data=1", "mesh.sequence=1", "mesh.expert=1", "mesh.tensor=1",
+               "mesh.hosts=auto"]
 #: ... or on several: no pipeline or sequence split, the rest of the devices on `data`.
-_SEVERAL_DEVICES = ["mesh.pipe=1", "mesh.sequence=1", "mesh.data=-1"]
+_SEVERAL_DEVICES = ["mesh.pipe=1", "mesh.sequence=1", "mesh.data=-1", "mesh.hosts=auto"]
 #: Where `jaxspeed train` writes a run's checkpoints, inside its output folder.
 RUN_CHECKPOINTS = "checkpoints"
 

@@ -40,10 +40,21 @@ from jaxspeed.config.optimizer import (
 from jaxspeed.config.units import parse_bytes
 
 
+def _hosts(value: Any) -> Any:
+    if value == "auto" or (type(value) is int and value >= 1):
+        return value
+    raise ValueError(f"expected 'auto' or an int >= 1, got {value!r}")
+
+
 class MeshConfig(_Section):
     """Device mesh axis sizes; `-1` (at most one axis) is filled from the device count."""
 
+    #: hosts the `data` degree is split over (the mesh's outermost `host` axis gets `hosts`,
+    #: its `data` axis `data // hosts`); `auto` = the process count when > 1 and it divides
+    #: `data`, else 1. An int > 1 on one process emulates hosts on its devices.
+    hosts: Annotated[Literal["auto"] | int, BeforeValidator(_hosts)] = "auto"
     pipe: _MeshSize = 1
+    #: the TOTAL data-parallel degree, across hosts and within them
     data: _MeshSize = -1
     #: splits activations along the sequence (`model.sequence_parallel` says how attention
     #: crosses it); ZeRO shards state over it too
@@ -53,13 +64,22 @@ class MeshConfig(_Section):
 
     @model_validator(mode="after")
     def _one_fill(self) -> MeshConfig:
-        fill = [axis for axis, size in self.model_dump().items() if size == -1]
+        fill = [axis for axis, size in self.axis_sizes().items() if size == -1]
         if len(fill) > 1:
             raise ValueError(
                 f"at most one axis may be -1 (filled from the device count), "
                 f"got -1 for {', '.join(fill)}"
             )
+        if self.hosts != "auto" and self.data != -1 and self.data % self.hosts:
+            raise ValueError(
+                f"hosts={self.hosts} must divide data={self.data} (the total data-parallel "
+                f"degree); use a divisor of {self.data} or 'auto'"
+            )
         return self
+
+    def axis_sizes(self) -> dict[str, int]:
+        """The axis sizes as written (`data` the total degree), without `hosts`."""
+        return self.model_dump(exclude={"hosts"})
 
 
 class Bf16Config(_Section):

@@ -34,7 +34,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.runtime.mesh import DATA
+from jaxspeed.runtime.mesh import DATA, HOST
 from jaxspeed.moe.dispatch import combine, dispatch
 from jaxspeed.moe.experts import (
     ExpertParams,
@@ -107,7 +107,7 @@ class MoEOutput(NamedTuple):
 
 
 def data_parallel_axes(expert_axis: str = "expert") -> dict[str, int]:
-    """The data-parallel axes (`data`, `expert_axis`) of the current mesh, name -> size.
+    """The data-parallel axes (`host`, `data`, `expert_axis`) of the current mesh, name -> size.
 
     Axes that are already manual (inside an outer `shard_map`) are left out.
     """
@@ -115,7 +115,7 @@ def data_parallel_axes(expert_axis: str = "expert") -> dict[str, int]:
     if mesh.empty:
         return {}
     types = dict(zip(mesh.axis_names, mesh.axis_types))
-    return {a: mesh.shape[a] for a in (DATA, expert_axis)
+    return {a: mesh.shape[a] for a in (HOST, DATA, expert_axis)
             if a in types and types[a] != AxisType.Manual}
 
 

@@ -1,4 +1,9 @@
-"""The device mesh: axis names, sizes from config, `-1` filled from the device count."""
+"""The device mesh: axis names, sizes from config, `-1` filled from the device count.
+
+The mesh has two levels, as MaxText's `dcn_*` and `ici_*` axes: the outermost `host` axis
+runs across hosts (by default one host per process), every other axis within one. The
+config's `mesh.data` is the total data-parallel degree; `mesh.hosts` of it cross hosts.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +15,24 @@ from jax.sharding import AxisType, Mesh
 
 from jaxspeed.errors import ConfigError
 
+HOST = "host"
 PIPE = "pipe"
 DATA = "data"
 SEQUENCE = "sequence"
 EXPERT = "expert"
 TENSOR = "tensor"
-#: Mesh axes, outermost first. `tensor` is innermost so tensor-parallel peers are neighbours.
-AXES: tuple[str, ...] = (PIPE, DATA, SEQUENCE, EXPERT, TENSOR)
-#: Axes the batch's rows are split over.
-DATA_PARALLEL_AXES: tuple[str, ...] = (DATA, EXPERT)
+#: Mesh axes, outermost first. `host` is outermost so a host's devices are one contiguous
+#: block; `tensor` is innermost so tensor-parallel peers are neighbours.
+AXES: tuple[str, ...] = (HOST, PIPE, DATA, SEQUENCE, EXPERT, TENSOR)
+#: Axes the batch's rows are split over (host-major, as the devices are laid out).
+DATA_PARALLEL_AXES: tuple[str, ...] = (HOST, DATA, EXPERT)
 #: Axes ZeRO shards state over: every axis whose devices see different tokens of the same
-#: parameters, so the sequence axis too (as MaxText's `context` axis).
-ZERO_AXES: tuple[str, ...] = (DATA, SEQUENCE, EXPERT)
+#: parameters, so the sequence axis too (as MaxText's `context` axis). `data` before `host`:
+#: a ZeRO-sharded dimension is split data-major, so gathering over `host` alone yields
+#: contiguous blocks of the intra-host partition (what ZeRO++'s hpZ needs).
+ZERO_AXES: tuple[str, ...] = (DATA, HOST, SEQUENCE, EXPERT)
+#: The axis keys of the `mesh` config: no `host` (`data` is the total degree, `mesh.hosts` its split).
+CONFIG_AXES: tuple[str, ...] = tuple(axis for axis in AXES if axis != HOST)
 
 
 def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -60,28 +71,105 @@ def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, 
     return resolved
 
 
-def make_mesh(mesh_config=None, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the `("pipe", "data", "sequence", "expert", "tensor")` mesh with Auto axes.
-
-    Axes are Auto so that the planner chooses shardings and XLA propagates and inserts the
-    collectives (see DESIGN.md, "JAX facts").
+def resolve_hosts(hosts: int | str, data: int, process_count: int) -> int:
+    """The size of the `host` axis for a total data-parallel degree `data`.
 
     Args:
-      mesh_config: a `MeshConfig`, a mapping of axis sizes, or None (all devices on `data`).
+      hosts: `mesh.hosts`: `"auto"` or an int >= 1.
+      data: the total data-parallel degree, `-1` already filled.
+      process_count: the number of processes (`jax.process_count()`).
+
+    Returns:
+      `hosts` when an int (it must divide `data`); for `"auto"`, `process_count` when it is
+      > 1 and divides `data`, else 1.
+    """
+    if hosts == "auto":
+        return process_count if process_count > 1 and data % process_count == 0 else 1
+    if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
+        raise ConfigError(f"mesh.hosts: expected 'auto' or an int >= 1, got {hosts!r}")
+    if data % hosts:
+        raise ConfigError(
+            f"mesh.hosts={hosts} must divide mesh.data={data} (the total data-parallel degree); "
+            f"use a divisor of {data} or 'auto'"
+        )
+    return hosts
+
+
+def config_axis_sizes(
+    sizes: Mapping[str, int | str], num_devices: int, process_count: int = 1
+) -> dict[str, int]:
+    """Mesh axis sizes from config-style sizes: `data` the total degree, `hosts` its split.
+
+    Args:
+      sizes: config axis name → size (`-1` = fill), plus optional `hosts` (default "auto").
+      num_devices: number of devices the mesh must cover.
+      process_count: number of processes, for `hosts: auto`.
+
+    Returns:
+      axis name → size, for every axis in `AXES` order; `host × data` is the config's `data`.
+    """
+    sizes = dict(sizes)
+    hosts = sizes.pop("hosts", "auto")
+    if HOST in sizes:
+        raise ConfigError(
+            f"mesh: {HOST!r} is not a config key; set mesh.hosts (mesh.data stays the total "
+            f"data-parallel degree)"
+        )
+    unknown = set(sizes) - set(CONFIG_AXES)
+    if unknown:
+        raise ConfigError(
+            f"mesh: unknown axis {sorted(unknown)}; accepted keys are "
+            f"{['hosts', *CONFIG_AXES]}"
+        )
+    resolved = resolve_axis_sizes(sizes, num_devices)
+    host = resolve_hosts(hosts, resolved[DATA], process_count)
+    return {**resolved, HOST: host, DATA: resolved[DATA] // host}
+
+
+def host_major(devices: Sequence[jax.Device]) -> list[jax.Device]:
+    """`devices` grouped by process (stable), so the `host` axis index is the process index."""
+    return sorted(devices, key=lambda d: d.process_index)
+
+
+def make_mesh(mesh_config=None, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds the `("host", "pipe", "data", "sequence", "expert", "tensor")` mesh, Auto axes.
+
+    Axes are Auto so that the planner chooses shardings and XLA propagates and inserts the
+    collectives (see DESIGN.md, "JAX facts"). Devices are host-major: with several processes,
+    each process's devices form one contiguous block, so `host` crosses processes.
+
+    Args:
+      mesh_config: a `MeshConfig`; a mapping of config sizes (`data` total, optional
+        `hosts`); a mapping of mesh axis sizes naming `host` (then `data` is per host); or
+        None (all devices on `data`, `hosts: auto`).
       devices: devices to use; default all of `jax.devices()`.
     """
     if mesh_config is None:
-        sizes: Mapping[str, int] = {DATA: -1}
+        sizes: Mapping[str, int | str] = {DATA: -1}
     elif isinstance(mesh_config, Mapping):
         sizes = mesh_config
     else:
-        sizes = mesh_config.model_dump()
-    devices = list(devices) if devices is not None else jax.devices()
-    resolved = resolve_axis_sizes(sizes, len(devices))
+        sizes = {**mesh_config.axis_sizes(), "hosts": mesh_config.hosts}
+    devices = host_major(devices if devices is not None else jax.devices())
+    if HOST in sizes and "hosts" not in sizes:  # mesh axis sizes, e.g. from `mesh.shape`
+        resolved = resolve_axis_sizes(sizes, len(devices))
+    else:
+        processes = len({d.process_index for d in devices})
+        resolved = config_axis_sizes(sizes, len(devices), processes)
     shape = tuple(resolved[axis] for axis in AXES)
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    """Number of data-parallel replicas: the size of `data` × the size of `expert`."""
-    return math.prod(mesh.shape[axis] for axis in DATA_PARALLEL_AXES)
+    """Number of data-parallel replicas: `host` × `data` × `expert`."""
+    return math.prod(mesh.shape.get(axis, 1) for axis in DATA_PARALLEL_AXES)
+
+
+def cross_host_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes whose collectives cross hosts: `("host",)` when it has size > 1."""
+    return (HOST,) if mesh.shape.get(HOST, 1) > 1 else ()
+
+
+def intra_host_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes of size > 1 within one host, in mesh order."""
+    return tuple(a for a in mesh.axis_names if a != HOST and mesh.shape[a] > 1)

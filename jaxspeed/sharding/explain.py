@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jaxspeed.runtime.mesh import HOST, data_parallel_size
 from jaxspeed.sharding.leaves import flatten_leaf_plans, leaf_bytes
 
 
@@ -17,6 +18,18 @@ def _spec(spec) -> str:
     return "(" + ", ".join(str(e) for e in tuple(spec)) + ")" if tuple(spec) else "replicated"
 
 
+def _mesh_line(mesh) -> str:
+    """`pipe=1, data=8, ...`; a `host` axis only when there are hosts, with the split it makes
+    of the data-parallel degree (a one-host mesh reads as it did before the axis existed)."""
+    shape = dict(mesh.shape)
+    hosts = shape.get(HOST, 1)
+    text = ", ".join(f"{k}={v}" for k, v in shape.items() if k != HOST or hosts > 1)
+    if hosts > 1:
+        dp = data_parallel_size(mesh)
+        text += f" (data-parallel {dp} = {hosts} hosts x {dp // hosts} per host)"
+    return text
+
+
 def explain_plan(plan) -> str:
     """The table `Plan.explain()` returns, for a `Plan` (or anything with its fields)."""
     header = ("parameter", "shape", "params", "grads", "opt state", "param bytes/dev", "notes")
@@ -29,7 +42,7 @@ def explain_plan(plan) -> str:
         ))
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    mesh = ", ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
+    mesh = _mesh_line(plan.mesh)
     out = [f"mesh: {mesh}   ZeRO stage {plan.stage}", line(header), line(["-" * w for w in widths])]
     out += [line(r) for r in rows]
     out.append(

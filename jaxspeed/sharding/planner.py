@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -11,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.runtime.mesh import DATA_PARALLEL_AXES, SEQUENCE
+from jaxspeed.runtime.mesh import SEQUENCE, data_parallel_size
 from jaxspeed.ops.offload import DEVICE, HOST
 from jaxspeed.sharding.explain import explain_plan
 from jaxspeed.sharding.leaves import LeafPlan, Logical, flatten_leaf_plans, leaf_bytes
@@ -98,7 +97,7 @@ class Plan:
 
     @property
     def data_parallel_size(self) -> int:
-        return math.prod(self.mesh.shape[a] for a in DATA_PARALLEL_AXES)
+        return data_parallel_size(self.mesh)
 
     def opt_state_shardings(self, opt_state, *, memory_kind: str | None = None):
         """Shardings for an optimizer state (arrays or `ShapeDtypeStruct`s).

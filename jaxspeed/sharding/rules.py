@@ -14,14 +14,14 @@ from typing import NamedTuple
 
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.runtime.mesh import DATA, EXPERT, PIPE, SEQUENCE, TENSOR
+from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE, TENSOR
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Sequence[tuple[str, MeshAxes]]
 
 DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
-    ("batch", (DATA, EXPERT)),
-    ("batch", DATA),
+    ("batch", (HOST, DATA, EXPERT)),
+    ("batch", (HOST, DATA)),
     ("mlp", TENSOR),
     ("heads", TENSOR),
     ("vocab", TENSOR),
