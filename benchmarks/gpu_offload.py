@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--mode", mode, "--steps", str(args.steps)]
         proc = subprocess.run(
             cmd + (["--quick"] if args.quick else []),
-            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(_HERE.parent)},
+            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(_HERE.parent), os.environ.get("PYTHONPATH")]))},
         )
         if proc.returncode != 0:
             print(f"{mode}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)

@@ -294,9 +294,11 @@ def test_xla_groups_rows_to_cut_padding():
                                          for i, c in [("xla", False), ("pallas", True)])],
 )
 def test_dense_layout_equals_dot_product_attention(impl, causal):
-    seq, heads, dim = 64, 2, 16
+    seq, heads, dim = 128, 2, 64  # block and head dim 64: every kernel backend takes them
     q, k, v, _ = qkv_do(5, (2, seq, heads, dim), jnp.float32)
-    layout = sparsity.DenseSparsityConfig(num_heads=heads, block=16).make_layout(seq)
+    layout = sparsity.DenseSparsityConfig(num_heads=heads, block=64).make_layout(seq)
+    if impl == "pallas" and not _kernel_takes(q, layout):
+        pytest.skip("the Mosaic GPU kernel does not take this block, head dim or dtype")
     got = jit(lambda q, k, v: block_sparse_attention(
         q, k, v, layout, causal=causal, impl=impl))(q, k, v)
     want = jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal))(q, k, v)
