@@ -8,7 +8,7 @@ CONFIG ?= configs/gpt_tiny.yaml
 OUTPUT ?= runs/gpt_tiny
 TRAIN_ARGS ?=
 
-.PHONY: install train test test-fast test-jax-min test-gpu-compile test-wheel plan maxtext bench-maxtext clean
+.PHONY: install train test test-fast test-jax-min test-gpu-compile test-wheel bench-slow-network-quick plan maxtext bench-maxtext clean
 
 install: $(STAMP)
 
@@ -73,6 +73,12 @@ test-gpu-compile: $(STAMP)
 WHEEL_WORK ?= $(or $(TMPDIR),/tmp)/jaxspeed-test-wheel
 test-wheel: $(STAMP)
 	tools/test_wheel.sh $(PY) $(WHEEL_WORK)
+
+# Training across a real 100 Mbit/s link between two network namespaces (root, ip, tc,
+# taskset; otherwise one line and exit 0): AdamW and 1-bit Adam, 6 steps each, ~1-2 minutes.
+# The full comparison: `benchmarks/slow_network.py` (see benchmarks/README.md).
+bench-slow-network-quick: $(STAMP)
+	$(PY) benchmarks/slow_network.py --quick
 
 # MaxText beside jaxspeed (benchmarks/maxtext_peer.py): its own venv outside the repository
 # (~2.5 GB, once), then the throughput benchmark's three configurations, both measured.
