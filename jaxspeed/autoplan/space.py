@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Iterator
 
 from jaxspeed.config import Config, load_config
+from jaxspeed.config.optimizer import ONEBIT_TYPES
 from jaxspeed.errors import ConfigError
 from jaxspeed.runtime.mesh import CONFIG_AXES
 
@@ -101,7 +102,7 @@ def _rules(config: Config, devices_per_host: int) -> list[tuple[str, Callable[[_
     heads, kv = model.n_heads, model.n_kv_heads or model.n_heads
     experts = model.moe.num_experts if model.moe else 1
     seq_len, batch = config.data.seq_len, config.train_batch_size
-    onebit = config.optimizer.type == "OneBitAdam"
+    onebit = config.optimizer.type in ONEBIT_TYPES
 
     def inner(m: _Mesh) -> int:
         return m["tensor"] * m["expert"] * m["sequence"]

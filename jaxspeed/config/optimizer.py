@@ -17,7 +17,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, create_model
+from pydantic import AfterValidator, BeforeValidator, Field, create_model, model_validator
 
 from jaxspeed.config.fields import Bool, Section, whole_number
 
@@ -116,12 +116,56 @@ class OneBitAdamParams(_OptimizerParams):
     comm_backend_name: Annotated[str, Field(strict=True)] = "nccl"
 
 
+class LambParams(_OptimizerParams):
+    """DeepSpeed's FusedLamb: Adam's direction plus decoupled weight decay, times the trust
+    ratio `||p|| / ||u||` clamped to `[min_coeff, max_coeff]` (per leaf)."""
+
+    betas: _Betas = (0.9, 0.999)
+    eps: _Float = 1e-8
+    max_coeff: _Float = 10.0
+    min_coeff: _Float = 0.01
+
+    @model_validator(mode="after")
+    def _coeffs_ordered(self):
+        if not 0 <= self.min_coeff <= self.max_coeff:
+            raise ValueError(f"need 0 <= min_coeff <= max_coeff, got min_coeff {self.min_coeff}, "
+                             f"max_coeff {self.max_coeff}")
+        return self
+
+
+class OneBitLambParams(LambParams):
+    """DeepSpeed's OnebitLamb (`jaxspeed.optim.onebit_lamb`); cuda_aware and comm_backend_name
+    are accepted and ignored, as for OneBitAdam."""
+
+    #: plain LAMB steps before the compressed phase starts
+    freeze_step: Annotated[_Count, AfterValidator(_freeze_step_not_negative)] = 100000
+    coeff_beta: _Float = 0.9
+    factor_max: _Float = 4.0
+    factor_min: _Float = 0.5
+    factor_threshold: _Float = 0.1
+    cuda_aware: Bool = False
+    comm_backend_name: Annotated[str, Field(strict=True)] = "nccl"
+
+    @model_validator(mode="after")
+    def _factors(self):
+        if not 0 < self.factor_min <= 1 <= self.factor_max:
+            raise ValueError(f"need 0 < factor_min <= 1 <= factor_max, got factor_min "
+                             f"{self.factor_min}, factor_max {self.factor_max}")
+        if not 0 <= self.coeff_beta < 1:
+            raise ValueError(f"coeff_beta must be in [0, 1), got {self.coeff_beta}")
+        return self
+
+
 AdamConfig = _typed("optimizer", "Adam", AdamParams)
 AdamWConfig = _typed("optimizer", "AdamW", AdamWParams)  # the default optimizer
 SGDConfig = _typed("optimizer", "SGD", SGDParams)
 LionConfig = _typed("optimizer", "Lion", LionParams)
 AdafactorConfig = _typed("optimizer", "Adafactor", AdafactorParams)
 OneBitAdamConfig = _typed("optimizer", "OneBitAdam", OneBitAdamParams)
+LambConfig = _typed("optimizer", "Lamb", LambParams)
+OneBitLambConfig = _typed("optimizer", "OneBitLamb", OneBitLambParams)
+#: The optimizers whose workers keep gradients local and exchange 1-bit compressed momentum.
+ONEBIT_TYPES = ("OneBitAdam", "OneBitLamb")
 
 
 # ---------------------------------------------------------------------------------- schedulers
@@ -170,6 +214,7 @@ WarmupCosineConfig = _typed("scheduler", "WarmupCosine", WarmupCosineParams)
 
 _Optimizers = (
     AdamConfig | AdamWConfig | SGDConfig | LionConfig | AdafactorConfig | OneBitAdamConfig
+    | LambConfig | OneBitLambConfig
 )
 _Schedulers = ConstantConfig | WarmupLRConfig | WarmupDecayLRConfig | WarmupCosineConfig
 

@@ -1,14 +1,20 @@
-"""Optimizers: factories from config, and 1-bit Adam with its compressed all-reduce."""
+"""Optimizers: factories from config, 1-bit Adam and 1-bit LAMB with their compressed
+all-reduce, and LAMB."""
 
 from jaxspeed.optim.compressed import compressed_allreduce
 from jaxspeed.optim.factory import build_optimizer, make_optimizer, make_schedule
+from jaxspeed.optim.lamb import lamb
 from jaxspeed.optim.onebit import OneBitAdamState, onebit_adam
+from jaxspeed.optim.onebit_lamb import OneBitLambState, onebit_lamb
 
 __all__ = [
     "OneBitAdamState",
+    "OneBitLambState",
     "build_optimizer",
     "compressed_allreduce",
+    "lamb",
     "make_optimizer",
     "make_schedule",
     "onebit_adam",
+    "onebit_lamb",
 ]

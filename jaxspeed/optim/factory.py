@@ -28,8 +28,10 @@ from jaxspeed.config.optimizer import (
     AdamParams,
     AdamWParams,
     LionParams,
-    OneBitAdamConfig,
+    ONEBIT_TYPES,
+    LambParams,
     OneBitAdamParams,
+    OneBitLambParams,
     OptimizerConfig,
     SchedulerConfig,
     SGDParams,
@@ -198,12 +200,35 @@ def _onebit(
     )
 
 
+def _lamb(p: LambParams, lr: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+    from jaxspeed.optim.lamb import lamb
+
+    b1, b2 = p.betas
+    return lamb(lr, b1=b1, b2=b2, eps=p.eps, weight_decay=p.weight_decay,
+                max_coeff=p.max_coeff, min_coeff=p.min_coeff)
+
+
+def _onebit_lamb(
+    p: OneBitLambParams, lr: optax.ScalarOrSchedule, axis_name
+) -> optax.GradientTransformation:
+    from jaxspeed.optim.onebit_lamb import onebit_lamb
+
+    b1, b2 = p.betas
+    return onebit_lamb(
+        lr, b1=b1, b2=b2, eps=p.eps, weight_decay=p.weight_decay, max_coeff=p.max_coeff,
+        min_coeff=p.min_coeff, freeze_step=p.freeze_step, coeff_beta=p.coeff_beta,
+        factor_max=p.factor_max, factor_min=p.factor_min, factor_threshold=p.factor_threshold,
+        axis_name=axis_name,
+    )
+
+
 _BUILDERS: dict[str, Callable[[Any, optax.ScalarOrSchedule], optax.GradientTransformation]] = {
     "Adam": lambda p, lr: _adam(p, lr, decoupled=p.adam_w_mode),
     "AdamW": functools.partial(_adam, decoupled=True),
     "SGD": _sgd,
     "Lion": _lion,
     "Adafactor": _adafactor,
+    "Lamb": _lamb,
 }
 
 
@@ -222,12 +247,14 @@ def make_optimizer(
     - `Lion`: `optax.lion` (decoupled decay).
     - `Adafactor`: `optax.adafactor` with optax's meanings (`clipping_threshold` 0 = off).
     - `OneBitAdam`: `jaxspeed.optim.onebit_adam`, communicating over `axis_name`.
+    - `Lamb`: `jaxspeed.optim.lamb` (FusedLamb's clamped trust ratio).
+    - `OneBitLamb`: `jaxspeed.optim.onebit_lamb`, communicating over `axis_name`.
 
     Args:
       optimizer_cfg: an `OptimizerConfig` (or an object with `.type` and `.params`, validated
         as the config's `optimizer`).
       learning_rate: float or `optax.Schedule`; it replaces `params.lr`.
-      axis_name: for `OneBitAdam`, the data-parallel mesh axes of its all-reduce.
+      axis_name: for the 1-bit optimizers, the data-parallel mesh axes of their all-reduce.
 
     Returns:
       The optimizer as an `optax.GradientTransformation`.
@@ -239,14 +266,17 @@ def make_optimizer(
     cfg = _typed(optimizer_cfg, "optimizer")
     if cfg.type == "OneBitAdam":
         return _onebit(cfg.params, learning_rate, axis_name)
+    if cfg.type == "OneBitLamb":
+        return _onebit_lamb(cfg.params, learning_rate, axis_name)
     return _BUILDERS[cfg.type](cfg.params, learning_rate)
 
 
 def onebit_freeze_step(optimizer_cfg) -> int:
-    """`optimizer.params.freeze_step` of a `OneBitAdam` config (validated, default applied)."""
+    """`optimizer.params.freeze_step` of a 1-bit optimizer's config (validated, defaulted)."""
     cfg = _typed(optimizer_cfg, "optimizer")
-    if not isinstance(cfg, OneBitAdamConfig):
-        raise ConfigError(f"optimizer.type {cfg.type} has no freeze_step (OneBitAdam has)")
+    if cfg.type not in ONEBIT_TYPES:
+        raise ConfigError(f"optimizer.type {cfg.type} has no freeze_step "
+                          f"({', '.join(ONEBIT_TYPES)} have)")
     return cfg.params.freeze_step
 
 
@@ -261,7 +291,7 @@ def build_optimizer(
       clip_outside: the caller clips the gradients itself (on the device, before a host
         update: optax's global norm cannot run as a host computation). `tx` then chains
         `optax.identity()` in the clipping's place, so its state has the same structure.
-      axis_name: the data-parallel axes (`OneBitAdam` only).
+      axis_name: the data-parallel axes (the 1-bit optimizers only).
 
     Returns:
       `(tx, schedule)`: `tx` is `chain(clip_by_global_norm(c), optimizer)` when `c > 0`, else

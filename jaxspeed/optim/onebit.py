@@ -307,7 +307,7 @@ def onebit_adam(
 def onebit_state_specs(
     opt_state: Any, *, axis_name: AxisName, default: PartitionSpec = PartitionSpec()
 ) -> Any:
-    """PartitionSpecs for an optimizer state holding `OneBitAdamState`s (e.g. inside a chain).
+    """PartitionSpecs for an optimizer state holding 1-bit states (e.g. inside a chain).
 
     Args:
       opt_state: the state (arrays or shape-dtype structs).
@@ -322,14 +322,20 @@ def onebit_state_specs(
     worker = PartitionSpec(axis_name)
 
     def specs(node):
-        if isinstance(node, OneBitAdamState):
-            return OneBitAdamState(
-                count=default,
-                mu=jax.tree.map(lambda _: default, node.mu),
-                nu=jax.tree.map(lambda _: default, node.nu),
-                error_worker=worker,
-                error_server=worker,
-            )
+        if _has_error_feedback(node):
+            return type(node)(**{
+                name: worker if name in _ERROR_BUFFERS else jax.tree.map(lambda _: default, value)
+                for name, value in node._asdict().items()
+            })
         return jax.tree.map(lambda _: default, node)
 
-    return jax.tree.map(specs, opt_state, is_leaf=lambda n: isinstance(n, OneBitAdamState))
+    return jax.tree.map(specs, opt_state, is_leaf=_has_error_feedback)
+
+
+_ERROR_BUFFERS = ("error_worker", "error_server")
+
+
+def _has_error_feedback(node) -> bool:
+    """A 1-bit optimizer's state (`OneBitAdamState`, `OneBitLambState`): a NamedTuple holding
+    the compressed all-reduce's error buffers."""
+    return hasattr(node, "_asdict") and all(hasattr(node, name) for name in _ERROR_BUFFERS)

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from jaxspeed.attention.sequence_parallel import check_length
 from jaxspeed.config import Config
+from jaxspeed.config.optimizer import ONEBIT_TYPES
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops import precision
 from jaxspeed.pipeline.model import pipelined_lm_objective
@@ -33,7 +34,7 @@ def check_supported(config: Config) -> None:
     """Combinations whose config keys exist but which do not work together: refuse, never fake."""
     if config.mesh.pipe > 1:
         _refuse((("model.moe", config.model.moe is not None),
-                 ("optimizer.type=OneBitAdam", config.optimizer.type == "OneBitAdam")),
+                 (f"optimizer.type={config.optimizer.type}", config.optimizer.type in ONEBIT_TYPES)),
                 f"pipeline parallelism (mesh.pipe={config.mesh.pipe})", "use mesh.pipe=1")
 
 
@@ -54,7 +55,7 @@ def _check_sequence(config: Config, mesh: Mesh, *, reference_model: bool) -> Non
         return
     _refuse(((f"mesh.pipe={mesh.shape.get(PIPE, 1)}", mesh.shape.get(PIPE, 1) > 1),
              ("model.moe", config.model.moe is not None),
-             ("optimizer.type=OneBitAdam", config.optimizer.type == "OneBitAdam")),
+             (f"optimizer.type={config.optimizer.type}", config.optimizer.type in ONEBIT_TYPES)),
             f"sequence parallelism (mesh.sequence={shards})", "use mesh.sequence=1")
     rows = np.moveaxis(mesh.devices, mesh.axis_names.index(SEQUENCE), -1).reshape(-1, shards)
     if any(len({d.process_index for d in row}) > 1 for row in rows):
@@ -129,8 +130,8 @@ def step_objective(config: Config, mesh: Mesh, fns: ModelFns, loss_fn, model):
 
 
 def onebit_axes(config: Config, mesh: Mesh) -> tuple[str, ...] | None:
-    """The data-parallel axes 1-bit Adam communicates over (None for other optimizers)."""
-    if config.optimizer.type != "OneBitAdam":
+    """The data-parallel axes a 1-bit optimizer communicates over (None for the others)."""
+    if config.optimizer.type not in ONEBIT_TYPES:
         return None
     check_onebit_config(config)
     return tuple(axis for axis in DATA_PARALLEL_AXES if axis in mesh.axis_names)

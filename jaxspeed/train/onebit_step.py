@@ -41,7 +41,8 @@ def check_onebit_config(config) -> None:
     if config.fp16.enabled:
         problems.append("fp16: dynamic loss scaling is not wired into the 1-bit step (use bf16)")
     if problems:
-        raise ConfigError("optimizer.type OneBitAdam cannot be used with " + "; ".join(problems))
+        raise ConfigError(f"optimizer.type {config.optimizer.type} cannot be used with "
+                          + "; ".join(problems))
 
 
 def _local_rules(rules, axes: tuple[str, ...]):
