@@ -9,12 +9,12 @@ parses it; `step_profile` gathers a compiled step's FLOPs, its device's peak
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxspeed.cost.hlo import (
-    Instruction, array_bytes, branches, callees, collective_bytes, collective_kind, operands,
-    parse, parse_dot, to_apply, trip_count,
+    Instruction, array_bytes, branches, callees, collective_bytes, collective_kind,
+    cross_host_bytes, operands, parse, parse_dot, to_apply, trip_count,
 )
 from jaxspeed.cost.peaks import peak_flops
 from jaxspeed.cost.report import ProfileReport
@@ -253,7 +253,8 @@ def model_train_flops(model: Any | None, *, tokens: int, seq_len: int, param_cou
 
 
 def step_profile(
-    compiled, *, flops: int, num_devices: int, device_kind: str, peak_tflops: float | None = None
+    compiled, *, flops: int, num_devices: int, device_kind: str, peak_tflops: float | None = None,
+    host_of: Sequence[int] | None = None,
 ) -> ProfileReport:
     """FLOPs, peak FLOP/s and collective bytes of one compiled step.
 
@@ -263,12 +264,17 @@ def step_profile(
       num_devices: devices the step runs on.
       device_kind: `jax.Device.device_kind`, for the peak table.
       peak_tflops: the device's peak from config, overriding the table.
+      host_of: the host of each device in mesh order (None: one host), for the bytes of the
+        collectives that cross hosts.
     """
+    text = compiled.as_text()
     return {
         "flops": flops,
         "flops_per_device": flops / num_devices,
         "xla_flops_per_device": compiled_flops(compiled),
         "peak_flops_per_device": peak_flops(device_kind, peak_tflops),
         "device_kind": device_kind,
-        "collective_bytes": collective_bytes(compiled.as_text(), num_devices=num_devices),
+        "collective_bytes": collective_bytes(text, num_devices=num_devices),
+        "cross_host_bytes": cross_host_bytes(
+            text, num_devices=num_devices, host_of=host_of or [0] * num_devices),
     }

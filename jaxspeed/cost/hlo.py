@@ -20,6 +20,7 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -295,6 +296,28 @@ def collective_bytes(hlo_text: str, *, num_devices: int = 1) -> dict[str, int]:
     totals = dict.fromkeys(COLLECTIVES, 0)
     for op in collectives(hlo_text, num_devices=num_devices):
         totals[op.kind] += op.bytes * op.executions
+    totals["total"] = sum(totals[k] for k in COLLECTIVES)
+    return totals
+
+
+def cross_host_bytes(
+    hlo_text: str, *, num_devices: int, host_of: Sequence[int]
+) -> dict[str, int]:
+    """`collective_bytes` of the collectives whose device groups span more than one host.
+
+    Args:
+      hlo_text: `compiled.as_text()` of a jitted step.
+      num_devices: devices of the program.
+      host_of: the host of each partition id (the program's devices in mesh order).
+
+    Returns:
+      `{kind: bytes}` per device and run, plus `total`: what those collectives move; on a ring
+      only part of it crosses the link, so it bounds the link's bytes from above.
+    """
+    totals = dict.fromkeys(COLLECTIVES, 0)
+    for op in collectives(hlo_text, num_devices=num_devices):
+        if any(len({host_of[d] for d in group}) > 1 for group in op.groups or ()):
+            totals[op.kind] += op.bytes * op.executions
     totals["total"] = sum(totals[k] for k in COLLECTIVES)
     return totals
 

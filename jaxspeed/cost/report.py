@@ -19,6 +19,8 @@ class ProfileReport(TypedDict):
     peak_flops_per_device: float | None  #: None when the device's peak is not known
     device_kind: str
     collective_bytes: dict[str, int]  #: per collective kind and `total`, per device
+    #: the part of `collective_bytes` in collectives whose device groups span hosts
+    cross_host_bytes: dict[str, int]
 
 
 def _fmt(value) -> str:
@@ -100,6 +102,11 @@ def format_profile(profile: ProfileReport) -> list[str]:
     ]
     if not moved["total"]:
         lines.append("  (none)")
+    across = profile.get("cross_host_bytes") or {"total": 0}
+    if across["total"]:
+        lines.append("  of which in collectives across hosts:")
+        lines += [f"    {kind:32s} {format_bytes(across[kind]):>12s}"
+                  for kind in COLLECTIVES if across[kind]]
     return lines
 
 

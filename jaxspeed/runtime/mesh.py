@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxspeed.errors import ConfigError
@@ -168,6 +169,14 @@ def data_parallel_size(mesh: Mesh) -> int:
 def cross_host_axes(mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes whose collectives cross hosts: `("host",)` when it has size > 1."""
     return (HOST,) if mesh.shape.get(HOST, 1) > 1 else ()
+
+
+def host_of_devices(mesh: Mesh) -> list[int]:
+    """The `host` coordinate of each device, in the mesh's flat order (a program's partition
+    ids, for a step jitted over this mesh)."""
+    if HOST not in mesh.axis_names:
+        return [0] * mesh.size
+    return np.indices(mesh.devices.shape)[mesh.axis_names.index(HOST)].ravel().tolist()
 
 
 def intra_host_axes(mesh: Mesh) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ from jaxspeed.cost.report import ProfileReport
 from jaxspeed.data.dataset import make_global_batch
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops.losses import lm_loss
-from jaxspeed.runtime.mesh import PIPE, data_parallel_size, make_mesh
+from jaxspeed.runtime.mesh import PIPE, data_parallel_size, host_of_devices, make_mesh
 from jaxspeed.optim import build_optimizer
 from jaxspeed.sharding import LeafPlan, Plan, plan_sharding
 from jaxspeed.sharding.rules import DEFAULT_RULES
@@ -297,6 +297,7 @@ class Engine:
             num_devices=self.mesh.size,
             device_kind=device.device_kind,
             peak_tflops=self.config.hardware.peak_tflops,
+            host_of=host_of_devices(self.mesh),
         )
 
     # -- checkpoints -------------------------------------------------------------------------
