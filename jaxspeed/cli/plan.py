@@ -184,5 +184,8 @@ def calibrate_command(args) -> int:
 
     cluster = calibrate(args.out, name=args.name, repeats=args.repeats,
                         matmul_size=args.matmul_size, collective_mib=args.collective_mib)
-    print(json.dumps({"out": args.out, **cluster.model_dump(mode="json")}))
+    import jax
+
+    if jax.process_index() == 0:
+        print(json.dumps({"out": args.out, **cluster.model_dump(mode="json")}))
     return 0
