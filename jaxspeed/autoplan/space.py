@@ -79,6 +79,8 @@ class Candidate:
     def overrides(self) -> list[str]:
         """The config keys this plan sets, as `KEY.PATH=VALUE` (`--set` / `load_config`)."""
         out = [f"mesh.{axis}={size}" for axis, size in self.mesh]
+        if self.hosts > 1 and self.sizes["data"] % self.hosts == 0:
+            out.append(f"mesh.hosts={self.hosts}")  # one process compiles the hosts' mesh
         out += [
             f"zero_optimization.stage={self.stage}",
             "zero_optimization.offload_optimizer.device="
@@ -224,6 +226,7 @@ def candidates(config: Config, devices: int, devices_per_host: int) -> Iterator[
     """Every legal plan: each mesh x ZeRO stage x remat x batch split x schedule x offload."""
     if config.train_batch_size is None:
         raise ConfigError("plan --auto holds the global batch fixed: set train_batch_size")
+    hosts = devices // devices_per_host
     for sizes in meshes(config, devices, devices_per_host):
         mesh = tuple((a, sizes[a]) for a in CONFIG_AXES)
         rows = config.train_batch_size // (sizes["data"] * sizes["expert"])
@@ -244,4 +247,17 @@ def candidates(config: Config, devices: int, devices_per_host: int) -> Iterator[
                     continue  # ZeRO-Offload partitions the state it moves (DeepSpeed: stage >= 1)
                 if offload == "params" and stage != 3:
                     continue  # only sharded params are offloaded (DeepSpeed: stage 3)
-                yield Candidate(mesh, stage, remat, micro, accumulation, schedule, offload)
+                for qw, qg, hpz in zeropp_switches(sizes, hosts, stage, offload):
+                    yield Candidate(mesh, stage, remat, micro, accumulation, schedule, offload,
+                                    qw, qg, hpz, hosts)
+
+
+def zeropp_switches(sizes: dict[str, int], hosts: int, stage: int,
+                    offload: str) -> list[tuple[bool, bool, bool]]:
+    """ZeRO++'s (qwZ, qgZ, hpZ) combinations worth searching: all of them for ZeRO-3 across
+    hosts without offload (hpZ only where a host holds more than one of the data-parallel
+    group), else none on."""
+    if stage != 3 or offload != "none" or hosts < 2 or sizes["data"] % hosts:
+        return [(False, False, False)]
+    hpz = (False, True) if sizes["data"] // hosts > 1 else (False,)
+    return list(itertools.product((False, True), (False, True), hpz))

@@ -147,11 +147,18 @@ def _auto_plan(args) -> int:
                     progress=not (args.no_progress or args.json))
     if args.apply:
         write_config(config, ranked[0], cluster, args.apply)
+    from jaxspeed.autoplan.predict import onebit_alternatives
+    from jaxspeed.autoplan.report import format_alternatives
+
+    alternatives = onebit_alternatives(config, ranked[0].plan, cluster)
     if args.json:
         print(json.dumps({"cluster": cluster.name, "compiled_on": note,
-                          "plans": [to_dict(r) for r in ranked]}))
+                          "plans": [to_dict(r) for r in ranked],
+                          "onebit_alternatives": alternatives}))
     else:
         print(format_table(ranked, cluster))
+        for line in format_alternatives(alternatives, config.optimizer.type):
+            print(line)
         print(f"memory checked on: {note}")
         if args.apply:
             print(f"wrote {args.apply}: {ranked[0].plan.describe()}")
