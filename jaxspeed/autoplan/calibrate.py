@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -25,6 +26,7 @@ from jaxspeed.autoplan.cluster import Cluster, save_cluster
 from jaxspeed.errors import JaxspeedError
 
 _AXIS = "devices"
+_HOSTS, _LOCAL = "hosts", "local"  # the 2-D mesh of several hosts: across them, inside one
 #: Layers of the MLP whose training step gives `efficiency`.
 _LAYERS = 4
 
@@ -52,9 +54,13 @@ def calibrate(
       over all devices; FLOPs / median time / devices, for float32 and bfloat16.
     * links: an all-gather of `collective_mib` MiB over all devices, and of one float per
       device. The tiny one gives the latency; the ring formula
-      `time = (g-1) * latency + (g-1)/g * bytes / bandwidth` gives the bandwidth. One
-      all-gather over every device sees the slowest link, so `intra_host` and `inter_host`
-      both get that figure (on several hosts `intra_host` is thus an underestimate).
+      `time = (g-1) * latency + (g-1)/g * bytes / bandwidth` gives the bandwidth. On one
+      host, `intra_host` and `inter_host` both get that figure. On several hosts (processes:
+      a host is one process's devices, as the two-level mesh has it), the devices form a
+      `[hosts, per host]` mesh and the link between hosts is measured by all-gathers across
+      hosts, every device in one at once (so the figure is per device, each host's network
+      shared by its devices), and `intra_host` by all-gathers inside each host; `collectives`
+      is then `gloo` on CPU (the flat algorithms XLA:CPU runs between processes).
     * `device_memory`: the device's allocator limit where it reports one (GPU, TPU); CPU
       devices share host RAM, so there it is RAM / local devices.
     * `host_memory`: physical RAM from `os.sysconf`.
@@ -93,14 +99,24 @@ def calibrate(
             f"calibrate needs the same number of devices on each host, got {dict(per_host)} "
             f"(process index: devices)"
         )
+    devices = sorted(devices, key=lambda d: d.process_index)  # host-major
     mesh = jax.make_mesh(
         (len(devices),), (_AXIS,), axis_types=(AxisType.Explicit,), devices=devices
     )
     g, n = len(devices), matmul_size
+    per_host = g // hosts
     floats = max(1, round(collective_mib * 2**20 / 4))  # per device
     shard = max(1, round(floats / g))  # the all-gather's input per device
+    levels = {}  # with several hosts: all-gathers across them and inside them, apart
+    if hosts > 1:
+        two = jax.make_mesh((hosts, per_host), (_HOSTS, _LOCAL),
+                            axis_types=(AxisType.Explicit,) * 2, devices=devices)
+        levels = {f"{axis}_{size}": _gather_probe(two, count, axis=axis)
+                  for axis, peers in ((_HOSTS, hosts), (_LOCAL, per_host)) if peers > 1
+                  for size, count in (("large", max(1, round(floats / peers))), ("tiny", 1))}
     seconds = _interleaved_medians(
         {
+            **levels,
             "matmul_fp32": _matmul_probe(mesh, n, jnp.float32),
             "matmul_bf16": _matmul_probe(mesh, n, jnp.bfloat16),
             "training": _training_probe(mesh, n),
@@ -117,6 +133,10 @@ def calibrate(
         "bandwidth_gbps": (g - 1) / g * gathered / _bare(seconds["gather"], seconds["gather_tiny"]) / 1e9,
         "latency_us": seconds["gather_tiny"] / (g - 1) * 1e6,
     }
+    intra, inter = link, link
+    if hosts > 1:
+        inter = _link(seconds, _HOSTS, hosts, floats)
+        intra = _link(seconds, _LOCAL, per_host, floats) if per_host > 1 else inter
     host_link = {  # there and back
         "bandwidth_gbps": 2 * 4 * floats / _bare(seconds["host"], seconds["host_tiny"]) / 1e9,
         "latency_us": seconds["host_tiny"] / 2 * 1e6,
@@ -127,19 +147,35 @@ def calibrate(
         name=name,
         hosts=hosts,
         devices_per_host=g // hosts,
-        device_memory=_device_memory(devices[0], host_memory),
+        device_memory=_device_memory(next(d for d in devices if d.process_index == jax.process_index()), host_memory),
         peak_tflops={"bf16": 2 * n**3 / seconds["matmul_bf16"] / 1e12, "fp32": fp32 / 1e12},
         efficiency=min(1.0, _training_flops(n) / seconds["training"] / fp32),
         memory_bandwidth_gbps=2 * 4 * floats / seconds["stream"] / 1e9,
-        intra_host=link,
-        inter_host=link,
+        intra_host=intra,
+        inter_host=inter,
         host_link=host_link,
         host_memory=host_memory,
+        collectives=_algorithms(devices, hosts),
     )
 
 
+def _link(seconds: Mapping[str, float], axis: str, peers: int, floats: int) -> dict[str, float]:
+    """A link from the all-gathers over `axis` (every group at once): the ring formula."""
+    gathered = 4 * peers * max(1, round(floats / peers))
+    bare = _bare(seconds[f"{axis}_large"], seconds[f"{axis}_tiny"])
+    return {"bandwidth_gbps": (peers - 1) / peers * gathered / bare / 1e9,
+            "latency_us": seconds[f"{axis}_tiny"] / (peers - 1) * 1e6}
+
+
+def _algorithms(devices: Sequence[jax.Device], hosts: int) -> str:
+    """Gloo carries XLA:CPU's collectives between processes; anything else is NCCL-like."""
+    cpu = devices[0].platform == "cpu"
+    return "gloo" if cpu and hosts > 1 else "nccl"
+
+
 def main(out: str | os.PathLike, **options: Any) -> Cluster:
-    """Calibrates this machine and saves it to `out` as YAML (see `save_cluster`).
+    """Calibrates this machine and saves it to `out` as YAML (see `save_cluster`); with
+    several processes every process measures and the first one writes.
 
     Args:
       out: the file to write.
@@ -149,6 +185,8 @@ def main(out: str | os.PathLike, **options: Any) -> Cluster:
       the measured cluster.
     """
     cluster = calibrate(**options)
+    if jax.process_index() != 0:  # one file, from the first process
+        return cluster
     devices = options.get("devices") or jax.devices()
     sizes = {key: value for key, value in options.items() if key != "devices"}
     comment = (
@@ -175,7 +213,7 @@ _Probe = tuple[Callable[..., Any], tuple[Any, ...]]
 
 def _matmul_probe(mesh: jax.sharding.Mesh, n: int, dtype: Any) -> _Probe:
     """Every device runs one `[n, n] @ [n, n]` matmul: `2 n^3` FLOPs per device."""
-    a = jax.device_put(jnp.ones((mesh.size, n, n), dtype), NamedSharding(mesh, P(_AXIS)))
+    a = jax.device_put(np.ones((mesh.size, n, n), dtype), NamedSharding(mesh, P(_AXIS)))
     return jax.jit(lambda x, y: jnp.einsum("bij,bjk->bik", x, y)), (a, a)
 
 
@@ -183,8 +221,8 @@ def _training_probe(mesh: jax.sharding.Mesh, n: int) -> _Probe:
     """Every device runs the forward and backward pass of its own MLP of `_LAYERS`
     `[n, n]` layers (tanh between them) on `n` rows, in float32."""
     sharding = NamedSharding(mesh, P(_AXIS))
-    w = jax.device_put(jnp.full((mesh.size, _LAYERS, n, n), 1.0 / n, jnp.float32), sharding)
-    x = jax.device_put(jnp.ones((mesh.size, n, n), jnp.float32), sharding)
+    w = jax.device_put(np.full((mesh.size, _LAYERS, n, n), 1.0 / n, np.float32), sharding)
+    x = jax.device_put(np.ones((mesh.size, n, n), np.float32), sharding)
 
     def loss(w, x):
         for i in range(_LAYERS):
@@ -203,7 +241,7 @@ def _training_flops(n: int) -> float:
 def _stream_probe(mesh: jax.sharding.Mesh, per_device: int) -> _Probe:
     """Every device streams `per_device` floats through one fused elementwise loop (what most
     of a step's non-matmul time is): `8 * per_device` bytes read plus written."""
-    x = jax.device_put(jnp.ones((mesh.size, per_device), jnp.float32), NamedSharding(mesh, P(_AXIS)))
+    x = jax.device_put(np.ones((mesh.size, per_device), np.float32), NamedSharding(mesh, P(_AXIS)))
     return jax.jit(lambda a: a * 1.5 + 1.0), (x,)
 
 
@@ -212,20 +250,22 @@ def _host_probe(mesh: jax.sharding.Mesh, per_device: int) -> _Probe:
     device = NamedSharding(mesh, P(_AXIS))
     to_host = jax.jit(lambda a: a, out_shardings=device.with_memory_kind("pinned_host"))
     to_device = jax.jit(lambda a: a, out_shardings=device)
-    x = jax.device_put(jnp.ones((mesh.size, per_device), jnp.float32), device)
+    x = jax.device_put(np.ones((mesh.size, per_device), np.float32), device)
     return (lambda a: to_device(to_host(a))), (x,)
 
 
-def _gather_probe(mesh: jax.sharding.Mesh, per_device: int) -> _Probe:
-    """An all-gather over every device of `per_device` floats each (`4 g per_device` bytes of
-    result per device)."""
+def _gather_probe(mesh: jax.sharding.Mesh, per_device: int, axis: str = _AXIS) -> _Probe:
+    """An all-gather over `axis` of `per_device` floats each (`4 peers per_device` bytes of
+    result per device); on a 2-D mesh every group along `axis` runs at once."""
+    spec = P(mesh.axis_names)  # one shard per device
     gather = jax.jit(
         jax.shard_map(
-            lambda shard: jax.lax.all_gather(shard, _AXIS, tiled=True),
-            mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
+            lambda shard: jax.lax.all_gather(shard, axis, tiled=True),
+            mesh=mesh, in_specs=spec, out_specs=P(tuple(a for a in mesh.axis_names if a != axis)),
+            check_vma=False,
         )
     )  # fmt: skip
-    x = jax.device_put(jnp.ones((mesh.size * per_device,), jnp.float32), NamedSharding(mesh, P(_AXIS)))
+    x = jax.device_put(np.ones((mesh.size * per_device,), np.float32), NamedSharding(mesh, spec))
     return gather, (x,)
 
 

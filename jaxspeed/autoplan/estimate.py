@@ -16,12 +16,13 @@ no more (every figure per device, per optimizer step):
   the forward twice) plus attention's 12·L·d per token and layer, divided over the devices
   that split the work, at the cluster's peak x its efficiency; plus each micro-step's two
   reads of the local weights at the memory bandwidth.
-- **Communication.** Per micro-step: ZeRO-3's all-gather of the params (twice, forward and
-  backward) and reduce-scatter of the gradients; tensor parallelism's 4 all-reduces of the
-  activations per layer (6 with full remat); Ulysses' 8 all-to-alls per layer; the pipeline's
-  activation hand-offs. Per step: the gradient all-reduce (stage 0) or reduce-scatter plus
-  all-gather of the params (stages 1-2). Each collective is costed on the link its group
-  crosses (`jaxspeed.autoplan.comm`).
+- **Communication.** The data-parallel collectives of `jaxspeed.autoplan.traffic` (ZeRO
+  stages, ZeRO++'s switches, the 1-bit optimizers' compressed exchange); per micro-step,
+  tensor parallelism's 4 all-reduces of the activations per layer (6 with full remat),
+  Ulysses' 8 all-to-alls per layer and the pipeline's activation hand-offs. Each collective
+  is costed on the links its groups cross, by the cluster's collective algorithms
+  (`jaxspeed.autoplan.comm`: `nccl` hierarchical, `gloo` flat), with `host` split off `data`
+  as the two-level mesh does (`traffic.mesh_sizes`).
 - **Host copies.** Per step, over the cluster's `host_link`: with offload, the gradient shard
   to the host and the updated param shard back (with parameter offload, the compute-dtype
   copy instead); with `offload_dots`, the offloaded activations out and back per micro-step.
@@ -37,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxspeed.autoplan import comm
+from jaxspeed.autoplan import comm, traffic
 from jaxspeed.autoplan.space import ON_HOST, Candidate
 from jaxspeed.config import Config
 from jaxspeed.ops.precision import compute_dtype
@@ -77,6 +78,13 @@ class Estimate:
     bubble: float  #: the pipeline's idle fraction
     step_s: float
     comm_by_kind: dict[str, float]
+    #: bytes the busiest host sends to other hosts per step (`comm.host_egress_bytes`)
+    cross_host_bytes: float = 0.0
+    tokens: int = 0  #: tokens per step
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
 
     @property
     def device_bytes(self) -> int:
@@ -103,8 +111,14 @@ def param_counts(config: Config) -> dict[str, int]:
     return {"layer_matmul": attention + mlp, "layer_norm": 2 * d, "embed": embed, "final_norm": d}
 
 
-def estimate(config: Config, plan: Candidate, cluster: Any) -> Estimate:
-    """The analytic cost of `plan` for `config`'s model on `cluster` (`Cluster`)."""
+def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | None = None,
+             phase: str = "auto") -> Estimate:
+    """The analytic cost of `plan` for `config`'s model on `cluster` (`Cluster`).
+
+    Args:
+      optimizer: price this optimizer type's communication instead of the config's.
+      phase: the phase of a 1-bit optimizer to price (`traffic.exchange_fractions`).
+    """
     m, s = config.model, plan.sizes
     pipe, tensor, seq = s["pipe"], s["tensor"], s["sequence"]
     zero = s["data"] * s["sequence"] * s["expert"]
@@ -164,28 +178,27 @@ def estimate(config: Config, plan: Candidate, cluster: Any) -> Estimate:
         bubble = (pipe - 1) / (micro + pipe - 1)
 
     by_kind: dict[str, float] = {}
+    sizes = traffic.mesh_sizes(s, plan.hosts if plan.hosts > 1 else cluster.hosts)
+    algorithm = getattr(cluster, "collectives", "nccl")
+    cross_host = 0.0
 
     def cost(kind: str, nbytes: float, axes: tuple[str, ...], times: float) -> None:
-        axes = tuple(a for a in axes if s[a] > 1)
-        if not axes or nbytes <= 0:
+        nonlocal cross_host
+        axes = tuple(a for a in axes if sizes[a] > 1)
+        if not axes or nbytes <= 0 or times <= 0:
             return
         seconds = comm.collective_time(
-            kind, nbytes, axes, s, devices_per_host=cluster.devices_per_host,
-            intra=cluster.intra_host, inter=cluster.inter_host,
+            kind, nbytes, axes, sizes, devices_per_host=cluster.devices_per_host,
+            intra=cluster.intra_host, inter=cluster.inter_host, algorithm=algorithm,
         )
         by_kind[kind] = by_kind.get(kind, 0.0) + seconds * times
+        cross_host += times * comm.host_egress_bytes(
+            kind, nbytes, comm.ordered_groups(axes, sizes), cluster.devices_per_host, algorithm)
 
-    zero_axes = ("data", "sequence", "expert")
-    full_params = 4 * params_here
+    for t in traffic.step_transfers(config, plan, hosts=sizes["host"], optimizer=optimizer,
+                                    phase=phase):
+        cost(t.kind, t.nbytes, t.axes, t.count)
     micro_steps = plan.accumulation
-    if plan.stage == 3:
-        cost("all-gather", full_params, zero_axes, 2 * micro_steps)
-        cost("reduce-scatter", full_params, zero_axes, micro_steps)
-    elif plan.stage == 0:
-        cost("all-reduce", full_params, zero_axes, 1)
-    else:
-        cost("reduce-scatter", full_params, zero_axes, 1)
-        cost("all-gather", full_params, zero_axes, 1)
     hidden = tokens_micro * m.d_model * act
     recompute = 1.5 if plan.remat == "full" else 1.0
     cost("all-reduce", hidden, ("tensor",), 4 * recompute * m.n_layers / pipe * micro_steps)
@@ -197,5 +210,5 @@ def estimate(config: Config, plan: Candidate, cluster: Any) -> Estimate:
     return Estimate(
         state_bytes=int(state), activation_bytes=int(activations), host_bytes=int(host),
         flops=flops, compute_s=compute, comm_s=comm_s, host_s=host_s, bubble=bubble, step_s=step,
-        comm_by_kind=by_kind,
+        comm_by_kind=by_kind, cross_host_bytes=cross_host, tokens=tokens_step,
     )

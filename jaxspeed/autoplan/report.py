@@ -12,8 +12,8 @@ from jaxspeed.autoplan.space import apply
 from jaxspeed.config import Config
 from jaxspeed.sharding.explain import format_bytes
 
-_HEADER = ("#", "mesh", "zero", "remat", "micro x accum", "schedule", "offload", "memory/device",
-           "step", "tokens/s", "MFU", "bound", "source")
+_HEADER = ("#", "mesh", "zero", "zero++", "remat", "micro x accum", "schedule", "offload",
+           "memory/device", "step", "tokens/s", "cross-host/step", "MFU", "bound", "source")
 
 
 def _seconds(s: float) -> str:
@@ -25,9 +25,12 @@ def rows(ranked: list[Ranked]) -> list[tuple[str, ...]]:
     for i, r in enumerate(ranked, 1):
         p = r.plan
         mesh = " ".join(f"{a}={n}" for a, n in p.mesh if n > 1) or "1 device"
-        out.append((str(i), mesh, str(p.stage), p.remat, f"{p.micro_batch} x {p.accumulation}",
+        zeropp = "+".join(n for n, on in (("qwZ", p.quantized_weights), ("qgZ", p.quantized_gradients),
+                                          ("hpZ", p.hpz)) if on) or "-"
+        out.append((str(i), mesh, str(p.stage), zeropp, p.remat, f"{p.micro_batch} x {p.accumulation}",
                     p.schedule or "-", p.offload, format_bytes(r.device_bytes), _seconds(r.step_s),
-                    f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}", r.bound, r.source))
+                    f"{r.tokens_per_s:,.0f}", format_bytes(int(r.analytic.cross_host_bytes)),
+                    f"{r.mfu:.1%}", r.bound, r.source))
     return out
 
 
@@ -49,7 +52,23 @@ def to_dict(ranked: Ranked) -> dict[str, Any]:
             "device_bytes": ranked.device_bytes, "step_s": ranked.step_s,
             "tokens_per_s": ranked.tokens_per_s, "mfu": ranked.mfu, "bound": ranked.bound,
             "source": ranked.source, "analytic_step_s": ranked.analytic.step_s,
-            "analytic_comm_s": ranked.analytic.comm_by_kind}
+            "analytic_comm_s": ranked.analytic.comm_by_kind,
+            "cross_host_bytes": ranked.analytic.cross_host_bytes,
+            "zeropp": {"zero_quantized_weights": ranked.plan.quantized_weights,
+                       "zero_quantized_gradients": ranked.plan.quantized_gradients,
+                       "hpz": ranked.plan.hpz}}
+
+
+def format_alternatives(alternatives: list[dict[str, Any]], optimizer: str) -> list[str]:
+    """Lines on what the 1-bit variants of `optimizer` would do to the best plan's step."""
+    if not alternatives:
+        return []
+    lines = [f"the config's optimizer ({optimizer}) is kept; its 1-bit variants after their "
+             "freeze, at ZeRO-0, would give (analytic):"]
+    lines += [f"  {a['optimizer']:12s} {a['tokens_per_second']:>12,.0f} tokens/s  "
+              f"step {_seconds(a['step_seconds'])}  {a['speedup']:.2f}x  cross-host "
+              f"{format_bytes(int(a['cross_host_bytes']))}/step" for a in alternatives]
+    return lines
 
 
 def write_config(config: Config, ranked: Ranked, cluster: Any, path: str | Path) -> Path:

@@ -89,7 +89,10 @@ def proxy_plan(config: Config, plan: Candidate, devices: int) -> tuple[Config, d
     sizes = proxy_sizes(plan.sizes, devices)
     if sizes is None:
         return None
-    shrunk = dataclasses.replace(plan, mesh=tuple((a, sizes[a]) for a, _ in plan.mesh))
+    # a proxy keeps one host (its shrunk data axis need not split over the real hosts); the
+    # collectives are placed on the real hosts by device id (`comm`)
+    shrunk = dataclasses.replace(plan, mesh=tuple((a, sizes[a]) for a, _ in plan.mesh),
+                                 hosts=plan.hosts if sizes == plan.sizes else 1)
     batch = plan.micro_batch * plan.accumulation * sizes["data"] * sizes["expert"]
     return load_config(config, overrides=[*shrunk.overrides(), f"train_batch_size={batch}"]), sizes
 
@@ -129,11 +132,18 @@ def compiled_cost(config: Config, plan: Candidate, cluster: Any, devices: Sequen
     roof = roofline_seconds(text, flops_per_s=speed, bytes_per_s=cluster.memory_bandwidth_gbps * 1e9)
     # matmuls the HLO hides in library calls (cuBLAS on GPU) count from the jaxpr
     compute = roof["compute"] + max(0.0, flops - roof["flops"]) / speed
-    moved = comm.step_comm_seconds(
-        collectives(text, num_devices=n), sizes, devices_per_host=cluster.devices_per_host,
-        intra=cluster.intra_host, inter=cluster.inter_host,
-        scale_axes={"data": plan.sizes["data"]} if sizes["data"] != plan.sizes["data"] else None,
-    )
+    algorithm = getattr(cluster, "collectives", "nccl")
+    proxied = sizes["data"] != plan.sizes["data"]
+    if algorithm == "gloo" and proxied:  # flat algorithms need the real mesh's rank order
+        moved = {"total": real.comm_s}
+    else:
+        mesh_shape = dict(engine.mesh.shape)  # `host` split off `data` where the plan has hosts
+        moved = comm.step_comm_seconds(
+            collectives(text, num_devices=n), mesh_shape,
+            devices_per_host=cluster.devices_per_host, intra=cluster.intra_host,
+            inter=cluster.inter_host, algorithm=algorithm,
+            scale_axes={"data": plan.sizes["data"]} if proxied else None,
+        )
     # copies to and from host memory: analytic (on CPU both memories are the same RAM)
     step = compute + roof["memory"] + moved["total"] + real.host_s
     parts = {"compute": compute, "memory": roof["memory"], "network": moved["total"], "host": real.host_s,

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 from jaxspeed.config import Config, load_config
 from jaxspeed.config.optimizer import ONEBIT_TYPES
+from jaxspeed.config.sizes import resolve_batch
 from jaxspeed.errors import ConfigError
 from jaxspeed.runtime.mesh import CONFIG_AXES
 
@@ -50,6 +51,12 @@ class Candidate:
     accumulation: int
     schedule: str | None = None  #: pipeline schedule, when `pipe` > 1
     offload: str = "none"
+    #: ZeRO++ (stage 3 across hosts): qwZ, qgZ, hpZ (`zero_optimization.zero_*`)
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    hpz: bool = False
+    #: hosts the plan's `data` axis is split over (hpZ's partition is `data / hosts`)
+    hosts: int = 1
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -63,11 +70,17 @@ class Candidate:
             parts.append(self.schedule)
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
+        zeropp = [n for n, on in (("qwZ", self.quantized_weights), ("qgZ", self.quantized_gradients),
+                                  ("hpZ", self.hpz)) if on]
+        if zeropp:
+            parts.append("+".join(zeropp))
         return " ".join(parts)
 
     def overrides(self) -> list[str]:
         """The config keys this plan sets, as `KEY.PATH=VALUE` (`--set` / `load_config`)."""
         out = [f"mesh.{axis}={size}" for axis, size in self.mesh]
+        if self.hosts > 1 and self.sizes["data"] % self.hosts == 0:
+            out.append(f"mesh.hosts={self.hosts}")  # one process compiles the hosts' mesh
         out += [
             f"zero_optimization.stage={self.stage}",
             "zero_optimization.offload_optimizer.device="
@@ -80,7 +93,40 @@ class Candidate:
         ]
         if self.schedule:
             out += [f"pipeline.schedule={self.schedule}", f"pipeline.num_microbatches={self.accumulation}"]
+        if _has_zeropp_keys() or self.quantized_weights or self.quantized_gradients or self.hpz:
+            hosts = self.hosts if self.hpz else 1
+            out += [
+                f"zero_optimization.zero_quantized_weights={str(self.quantized_weights).lower()}",
+                f"zero_optimization.zero_quantized_gradients={str(self.quantized_gradients).lower()}",
+                f"zero_optimization.zero_hpz_partition_size={self.sizes['data'] // hosts if self.hpz else 1}",
+            ]
         return out
+
+
+def _has_zeropp_keys() -> bool:
+    """Whether this build's config has ZeRO++'s keys (so a plan sets them either way)."""
+    from jaxspeed.config.schema import ZeroConfig
+
+    return "zero_quantized_weights" in ZeroConfig.model_fields
+
+
+def from_config(config: Config, mesh_shape: dict[str, int]) -> Candidate:
+    """The plan `config` runs as given, on a mesh of `mesh_shape` (mesh axes, `host` included)."""
+    from jaxspeed.autoplan.traffic import switches_of
+
+    zero, hosts = config.zero_optimization, int(mesh_shape.get("host", 1))
+    mesh = tuple((a, int(mesh_shape.get(a, 1)) * (hosts if a == "data" else 1)) for a in CONFIG_AXES)
+    sw = switches_of(config)
+    offload = ("params" if zero.offload_param.device != "none"
+               else "optimizer" if zero.offload_optimizer.device != "none" else "none")
+    pipe, sizes = dict(mesh)["pipe"], dict(mesh)
+    batch = resolve_batch(config, sizes["data"] * sizes["expert"])
+    return Candidate(
+        mesh, zero.stage, config.activation_checkpointing.policy,
+        batch.micro_batch_per_device, batch.accumulation_steps,
+        config.pipeline.schedule if pipe > 1 else None, offload,
+        sw.quantized_weights, sw.quantized_gradients, sw.hpz, hosts,
+    )
 
 
 def apply(config: Config, candidate: Candidate) -> Config:
@@ -180,6 +226,7 @@ def candidates(config: Config, devices: int, devices_per_host: int) -> Iterator[
     """Every legal plan: each mesh x ZeRO stage x remat x batch split x schedule x offload."""
     if config.train_batch_size is None:
         raise ConfigError("plan --auto holds the global batch fixed: set train_batch_size")
+    hosts = devices // devices_per_host
     for sizes in meshes(config, devices, devices_per_host):
         mesh = tuple((a, sizes[a]) for a in CONFIG_AXES)
         rows = config.train_batch_size // (sizes["data"] * sizes["expert"])
@@ -200,4 +247,17 @@ def candidates(config: Config, devices: int, devices_per_host: int) -> Iterator[
                     continue  # ZeRO-Offload partitions the state it moves (DeepSpeed: stage >= 1)
                 if offload == "params" and stage != 3:
                     continue  # only sharded params are offloaded (DeepSpeed: stage 3)
-                yield Candidate(mesh, stage, remat, micro, accumulation, schedule, offload)
+                for qw, qg, hpz in zeropp_switches(sizes, hosts, stage, offload):
+                    yield Candidate(mesh, stage, remat, micro, accumulation, schedule, offload,
+                                    qw, qg, hpz, hosts)
+
+
+def zeropp_switches(sizes: dict[str, int], hosts: int, stage: int,
+                    offload: str) -> list[tuple[bool, bool, bool]]:
+    """ZeRO++'s (qwZ, qgZ, hpZ) combinations worth searching: all of them for ZeRO-3 across
+    hosts without offload (hpZ only where a host holds more than one of the data-parallel
+    group), else none on."""
+    if stage != 3 or offload != "none" or hosts < 2 or sizes["data"] % hosts:
+        return [(False, False, False)]
+    hpz = (False, True) if sizes["data"] // hosts > 1 else (False,)
+    return list(itertools.product((False, True), (False, True), hpz))

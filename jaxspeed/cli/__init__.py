@@ -51,10 +51,10 @@ def _run(args) -> int:
             set_cpu_devices(args.cpu_devices)
         if args.command == "plan" and (args.target or args.cluster):
             plan.compile_on_cpu_host()
-        if args.command in ("train", "plan"):
+        if args.command in ("train", "plan", "calibrate"):
             from jaxspeed.runtime import distributed
 
-            if args.distributed or distributed.launched():
+            if getattr(args, "distributed", False) or distributed.launched():
                 distributed.initialize()  # before any JAX computation
         handlers = {
             "train": run.train_command, "plan": plan.plan_command, "bench": run.bench_command,

@@ -40,8 +40,14 @@ def _gpu_target(args):
     target = args.target or (cluster.gpu if cluster is not None else None)
     if target is None:
         if cluster is not None:
+            import jax
+
+            if args.devices is None and jax.device_count() == cluster.devices:
+                return None  # a cluster of this machine's devices (`calibrate`): compile here
             raise JaxspeedError(
-                f"cluster {cluster.name} names no GPU (its `gpu:` key): give --target h100|h200|a100")
+                f"cluster {cluster.name} names no GPU (its `gpu:` key) and has {cluster.devices} "
+                f"devices, this machine {jax.device_count()}: give --target h100|h200|a100, or "
+                f"--cpu-devices {cluster.devices} to compile on emulated devices")
         if args.devices is not None:
             raise JaxspeedError("--devices goes with --target or --cluster")
         return None
@@ -63,15 +69,30 @@ def plan_command(args) -> int:
 
     config = load_config_args(args)
     target = _gpu_target(args)
-    mesh = None
-    if target is not None:
-        from jaxspeed.gpu import deviceless, targets
+    mesh, cluster = None, None
+    if args.cluster:
+        from jaxspeed.autoplan.cluster import load_cluster
+
+        cluster = load_cluster(args.cluster)
+    if target is not None or cluster is not None:
+        import jax
+
         from jaxspeed.runtime.mesh import make_mesh
 
-        name, count, cluster = target
-        mesh = make_mesh(config.mesh, devices=deviceless.devices(name, count))
+        devices = jax.devices()
+        if target is not None:
+            from jaxspeed.gpu import deviceless, targets
+
+            name, count, cluster = target
+            devices = deviceless.devices(name, count)
+        config = _hosts_of(config, cluster, len(devices))
+        mesh = make_mesh(config.mesh, devices=devices)
     engine = initialize(config, mesh=mesh)
     report = {**engine.memory_report(), "profile": engine.profile()}
+    if cluster is not None:
+        from jaxspeed.autoplan.predict import predict
+
+        report["predicted"] = predict(config, dict(engine.mesh.shape), cluster)
     budget = device_memory(config)
     if target is not None:
         spec = targets.load(name)
@@ -87,7 +108,27 @@ def plan_command(args) -> int:
         print(engine.plan.explain())
         print()
         print(format_plan(report))
+        if cluster is not None:
+            from jaxspeed.autoplan.predict import format_predicted
+
+            print()
+            print("\n".join(format_predicted(report["predicted"])))
     return 0
+
+
+def _hosts_of(config, cluster, devices: int):
+    """`config` on `cluster`'s hosts: `mesh.hosts: auto` becomes the cluster's host count when
+    that divides the total data-parallel degree (one process emulates the cluster's hosts, as
+    `mesh.hosts` does), so the compiled step and the prediction place collectives on hosts."""
+    from jaxspeed.config import load_config
+    from jaxspeed.runtime.mesh import DATA, resolve_axis_sizes
+
+    if cluster is None or cluster.hosts < 2 or config.mesh.hosts != "auto":
+        return config
+    data = resolve_axis_sizes(config.mesh.axis_sizes(), devices)[DATA]
+    if data % cluster.hosts or devices != cluster.devices:
+        return config
+    return load_config(config, overrides=[f"mesh.hosts={cluster.hosts}"])
 
 
 def _auto_plan(args) -> int:
@@ -106,11 +147,18 @@ def _auto_plan(args) -> int:
                     progress=not (args.no_progress or args.json))
     if args.apply:
         write_config(config, ranked[0], cluster, args.apply)
+    from jaxspeed.autoplan.predict import onebit_alternatives
+    from jaxspeed.autoplan.report import format_alternatives
+
+    alternatives = onebit_alternatives(config, ranked[0].plan, cluster)
     if args.json:
         print(json.dumps({"cluster": cluster.name, "compiled_on": note,
-                          "plans": [to_dict(r) for r in ranked]}))
+                          "plans": [to_dict(r) for r in ranked],
+                          "onebit_alternatives": alternatives}))
     else:
         print(format_table(ranked, cluster))
+        for line in format_alternatives(alternatives, config.optimizer.type):
+            print(line)
         print(f"memory checked on: {note}")
         if args.apply:
             print(f"wrote {args.apply}: {ranked[0].plan.describe()}")
@@ -143,5 +191,8 @@ def calibrate_command(args) -> int:
 
     cluster = calibrate(args.out, name=args.name, repeats=args.repeats,
                         matmul_size=args.matmul_size, collective_mib=args.collective_mib)
-    print(json.dumps({"out": args.out, **cluster.model_dump(mode="json")}))
+    import jax
+
+    if jax.process_index() == 0:
+        print(json.dumps({"out": args.out, **cluster.model_dump(mode="json")}))
     return 0

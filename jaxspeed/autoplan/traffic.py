@@ -1,0 +1,265 @@
+"""What a training step moves between devices, from the model's shapes: one `Transfer` per kind
+of collective, with the mesh axes its groups run along (in rank order) and how often per step.
+
+This is the planner's own byte model (the ZeRO++ branch's `zero_traffic` prices the ZeRO-3
+collectives alike; this one also covers the optimizers and the other stages and gives each
+collective's kind, which the link models in `comm` need). Swap it by passing other `Transfer`s
+to `comm`. Bytes are per device in the profiler's full-buffer convention
+(`jaxspeed.cost.hlo`), so they compare with the compiled step's collectives.
+
+- **ZeRO-0**: the fp32 gradient all-reduce over the batch axes (`host`, `data`: host-major),
+  once per step (AdamW, Adam, Lamb, ... and the 1-bit optimizers before their freeze).
+- **ZeRO-1/2**: fp32 gradient reduce-scatter and fp32 param all-gather over the ZeRO axes
+  (`data` before `host`, `jaxspeed.runtime.mesh.ZERO_AXES`), once per step.
+- **ZeRO-3** (the explicit step): per micro-step, the params gathered in the compute dtype for
+  the forward pass and their fp32 gradient reduce-scattered. A model larger than
+  `zero_optimization.max_live_parameters` is gathered layer by layer, and again in the
+  backward pass when remat recomputes the layers; a smaller one once.
+  - qwZ (`zero_quantized_weights`): the gathers move int8 values plus an fp32 scale a block.
+  - hpZ (`zero_hpz_partition_size` > 1): a gather over `host` alone, then inside the host; for
+    a layer-by-layer model the `host` gather runs once per step (the secondary copy) and only
+    the intra-host gathers run per use.
+  - qgZ (`zero_quantized_gradients`): the reduce-scatter as one all-to-all per axis, inside the
+    host first, of int4 (or int8) values plus a scale a block.
+- **1-bit Adam / 1-bit LAMB** after `freeze_step`: the compressed all-reduce of the momentum,
+  one all-to-all and one all-gather over the batch axes, each of the packed sign bits (1/8 byte
+  a parameter, each leaf padded to 8 N) plus fp32 scales; the frozen trust ratios of 1-bit LAMB
+  are local. Before the freeze: ZeRO-0's all-reduce.
+- **0/1 Adam** (DeepSpeed's `ZeroOneAdam`): before `var_freeze_step`, a full-precision
+  all-reduce on the variance-update steps (every `var_interval`-th step, the interval doubling
+  after each `var_update_scaler` updates) and a 1-bit one on the others; after it, a 1-bit
+  all-reduce only every `local_step_interval`-th step (doubling every `local_step_scaler`
+  steps, up to `local_step_clipper`). `count` is the average over the steps of the phase.
+
+The phase priced is the one a run of `config.steps` ends in (`phase="auto"`): a 1-bit run past
+its freeze is priced compressed, averaged over the steps from the freeze to the end.
+Tensor, sequence and pipeline traffic is in `jaxspeed.autoplan.estimate`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+from jaxspeed.ops.precision import compute_dtype
+from jaxspeed.runtime.mesh import AXES, DATA, EXPERT, HOST, SEQUENCE
+
+#: The optimizers whose data-parallel exchange is the 1-bit compressed all-reduce.
+ONEBIT = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
+#: Adam-family optimizer → its 1-bit variants (what `plan --auto` reports beside it).
+ONEBIT_VARIANTS = {"Adam": ("OneBitAdam", "ZeroOneAdam"), "AdamW": ("OneBitAdam", "ZeroOneAdam"),
+                   "Lamb": ("OneBitLamb",)}
+#: Leaves of one transformer layer (q, k, v, o, two MLP matrices, two norms) and outside the
+#: layers (embedding, final norm): the explicit ZeRO-3 step moves each leaf in its own
+#: collective, which pays its latency.
+LAYER_LEAVES, OTHER_LEAVES = 8, 2
+#: qwZ / qgZ defaults when the config does not say (`jaxspeed.ops.quantize.BLOCK`).
+BLOCK, GRADIENT_BITS = 256, 4
+#: DeepSpeed's ZeroOneAdam defaults.
+ZERO_ONE_DEFAULTS = {"var_freeze_step": 100000, "var_update_scaler": 16,
+                     "local_step_scaler": 32678, "local_step_clipper": 16}
+
+
+class Transfer(NamedTuple):
+    """One collective of a step, `count` times per step."""
+
+    name: str  #: what moves, e.g. "zero3.forward_gather", "grad_all_reduce", "onebit.all_to_all"
+    kind: str  #: one of `jaxspeed.cost.hlo.COLLECTIVES`
+    nbytes: float  #: per device, full-buffer convention
+    axes: tuple[str, ...]  #: mesh axes of its groups, rank order (first = major)
+    count: float  #: executions per step (an average where steps differ)
+
+
+class Switches(NamedTuple):
+    """ZeRO++'s switches as priced here (config keys under `zero_optimization`)."""
+
+    quantized_weights: bool = False  #: qwZ
+    quantized_gradients: bool = False  #: qgZ
+    hpz: bool = False  #: hpZ (`zero_hpz_partition_size` > 1)
+    gradient_bits: int = GRADIENT_BITS
+    block: int = BLOCK
+
+
+def switches_of(config: Any) -> Switches:
+    """The ZeRO++ switches of `config` (all off where its schema has no such keys)."""
+    zero = config.zero_optimization
+    return Switches(
+        quantized_weights=bool(getattr(zero, "zero_quantized_weights", False)),
+        quantized_gradients=bool(getattr(zero, "zero_quantized_gradients", False)),
+        hpz=int(getattr(zero, "zero_hpz_partition_size", 1) or 1) > 1,
+        gradient_bits=int(getattr(zero, "zero_quantized_gradients_bits", GRADIENT_BITS)),
+        block=int(getattr(zero, "zero_quantization_block", BLOCK)),
+    )
+
+
+def mesh_sizes(sizes: dict[str, int], hosts: int) -> dict[str, int]:
+    """Config-style sizes (`data` the total degree) → mesh axis sizes with `host` split off:
+    `hosts` when it divides `data`, else 1."""
+    out = {axis: int(sizes.get(axis, 1)) for axis in AXES if axis != HOST}
+    host = hosts if hosts > 1 and out[DATA] % hosts == 0 else 1
+    return {HOST: host, **out, DATA: out[DATA] // host}
+
+
+def quantized_bytes(elements: float, bits: int, block: int) -> float:
+    """Bytes of `elements` block-quantized to `bits`: values plus an fp32 scale a block."""
+    blocks = max(1, math.ceil(elements / block))
+    return blocks * (block * bits / 8 + 4)
+
+
+def onebit_bytes(params: float, workers: int, leaves: int) -> float:
+    """Bytes of one phase of the compressed all-reduce: packed signs, each leaf padded to
+    `8 workers` elements, plus fp32 scales (`jaxspeed.optim.compressed`)."""
+    unit = 8 * workers
+    padded = math.ceil(params / leaves / unit) * unit * leaves
+    return padded / 8 + 4 * leaves * workers
+
+
+def _param(config: Any, name: str, default: Any) -> Any:
+    return getattr(config.optimizer.params, name, default)
+
+
+def zero_one_fractions(config: Any, steps: int) -> tuple[float, float]:
+    """(full-precision, 1-bit) all-reduces per step of 0/1 Adam, averaged over its phase.
+
+    Steps are counted as DeepSpeed's `ZeroOneAdam.step` counts them; the phase is the one step
+    `steps` is in (after `var_freeze_step`: from the freeze to `steps`).
+    """
+    p = {k: int(_param(config, k, v)) for k, v in ZERO_ONE_DEFAULTS.items()}
+    freeze = p["var_freeze_step"]
+    first, last = (freeze, steps) if steps > freeze else (0, max(1, steps))
+    var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
+    full = onebit = 0
+    for step in range(1, last + 1):
+        frozen = step > freeze
+        counted = step > first
+        if not frozen:
+            update = step % var_interval == 0
+            full += counted and update
+            onebit += counted and not update
+            if update:
+                var_counter += 1
+                if var_counter == p["var_update_scaler"]:
+                    var_counter, var_interval = 0, var_interval * 2
+        else:
+            onebit += counted and step % local_interval == 0
+            local_counter += 1
+            if local_counter == p["local_step_scaler"]:
+                local_counter = 0
+                local_interval = min(p["local_step_clipper"], local_interval * 2)
+    window = max(1, last - first)
+    return full / window, onebit / window
+
+
+def exchange_fractions(config: Any, optimizer: str, phase: str = "auto") -> tuple[float, float]:
+    """(full-precision gradient all-reduces, 1-bit all-reduces) per step of `optimizer`.
+
+    Args:
+      phase: "auto" (the phase a run of `config.steps` ends in), "warmup" or "compressed".
+    """
+    if optimizer not in ONEBIT:
+        return 1.0, 0.0
+    if optimizer == "ZeroOneAdam":
+        freeze = int(_param(config, "var_freeze_step", ZERO_ONE_DEFAULTS["var_freeze_step"]))
+        steps = {"auto": config.steps, "warmup": min(config.steps, freeze),
+                 "compressed": max(config.steps, freeze + 1000)}[phase]
+        return zero_one_fractions(config, steps)
+    compressed = phase == "compressed" or (
+        phase == "auto" and config.steps > int(_param(config, "freeze_step", 100000)))
+    return (0.0, 1.0) if compressed else (1.0, 0.0)
+
+
+def step_transfers(
+    config: Any, plan: Any, *, hosts: int = 1, optimizer: str | None = None,
+    phase: str = "auto",
+) -> list[Transfer]:
+    """The data-parallel collectives of one step of `plan` (module docstring).
+
+    Args:
+      config: the run config (model, dtypes, optimizer, `steps`).
+      plan: a `jaxspeed.autoplan.space.Candidate` (mesh, stage, remat, accumulation, switches).
+      hosts: hosts the `data` axis is split over (`mesh_sizes`).
+      optimizer: price this optimizer type instead of `config.optimizer.type`.
+      phase: which phase of a 1-bit optimizer (`exchange_fractions`).
+    """
+    from jaxspeed.autoplan.estimate import param_counts
+
+    sizes = mesh_sizes(plan.sizes, hosts)
+    m, counts = config.model, param_counts(config)
+    layers = m.n_layers // sizes["pipe"]
+    layered_params = layers * (counts["layer_matmul"] / sizes["tensor"] + counts["layer_norm"])
+    other_params = counts["embed"] / sizes["tensor"] + counts["final_norm"]
+    params = layered_params + other_params
+    leaves = layers * LAYER_LEAVES + OTHER_LEAVES
+    batch_axes = tuple(a for a in (HOST, DATA, EXPERT) if sizes[a] > 1)
+    zero_axes = tuple(a for a in (DATA, HOST, SEQUENCE, EXPERT) if sizes[a] > 1)
+    out: list[Transfer] = []
+
+    def add(name, kind, nbytes, axes, count):
+        if axes and nbytes > 0 and count > 0:
+            out.append(Transfer(name, kind, float(nbytes), tuple(axes), float(count)))
+
+    stage = plan.stage
+    if stage == 3:
+        out += _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers)
+        return out
+    # XLA reduces a scanned stack's gradients layer by layer inside the backward loop, and
+    # the rest in one combined collective
+    per_layer = layered_params / max(1, layers)
+    if stage in (1, 2):
+        for kind, name in (("reduce-scatter", "zero.grad_reduce_scatter"),
+                           ("all-gather", "zero.param_all_gather")):
+            add(f"{name}.layers", kind, 4 * per_layer, zero_axes, layers)
+            add(f"{name}.other", kind, 4 * other_params, zero_axes, 1)
+        return out
+    full, onebit = exchange_fractions(config, optimizer or config.optimizer.type, phase)
+    add("grad_all_reduce.layers", "all-reduce", 4 * per_layer, batch_axes, full * layers)
+    add("grad_all_reduce.other", "all-reduce", 4 * other_params, batch_axes, full)
+    workers = math.prod(sizes[a] for a in batch_axes)
+    onebit_b = onebit_bytes(params, workers, leaves)
+    add("onebit.all_to_all", "all-to-all", onebit_b, batch_axes, onebit)
+    add("onebit.all_gather", "all-gather", onebit_b, batch_axes, onebit)
+    return out
+
+
+def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers) -> list[Transfer]:
+    """ZeRO-3's gathers and reduce-scatters (the explicit step's, ZeRO++ switches included)."""
+    sw = Switches(plan.quantized_weights, plan.quantized_gradients, plan.hpz,
+                  *switches_of(config)[3:])
+    cbytes = compute_dtype(config).itemsize
+    layered = (layered_params + other_params) > config.zero_optimization.max_live_parameters
+    recompute = layered and plan.remat != "none"
+    stages = [zero_axes]
+    if sw.hpz and HOST in zero_axes and len(zero_axes) > 1:
+        stages = [(HOST,), tuple(a for a in zero_axes if a != HOST)]
+    z = math.prod(sizes[a] for a in zero_axes)
+    micro = plan.accumulation
+    out: list[Transfer] = []
+    parts = [("layers", layered_params, LAYER_LEAVES * (layers if layered else 1), layered),
+             ("other", other_params, OTHER_LEAVES, False)]
+    for label, elements, leaves, per_layer in parts:
+        gathered = 1
+        for i, axes in enumerate(stages):
+            gathered *= math.prod(sizes[a] for a in axes)
+            n = elements * gathered / z / leaves  # one leaf's gathered output, elements
+            nbytes = quantized_bytes(n, 8, sw.block) if sw.quantized_weights else n * cbytes
+            if per_layer and len(stages) > 1 and i == 0:  # hpZ's secondary copy
+                out.append(Transfer(f"zero3.secondary_gather.{label}", "all-gather", nbytes,
+                                    axes, leaves))
+                continue
+            out.append(Transfer(f"zero3.forward_gather.{label}", "all-gather", nbytes, axes,
+                                leaves * micro))
+            if per_layer and recompute:
+                out.append(Transfer(f"zero3.backward_gather.{label}", "all-gather", nbytes,
+                                    axes, leaves * micro))
+        remaining = elements / leaves
+        for axes in reversed(stages):
+            for group in ([(a,) for a in axes] if sw.quantized_gradients else [axes]):
+                if sw.quantized_gradients:
+                    out.append(Transfer(f"zero3.grad_all_to_all.{label}", "all-to-all",
+                                        quantized_bytes(remaining, sw.gradient_bits, sw.block),
+                                        group, leaves * micro))
+                else:
+                    out.append(Transfer(f"zero3.grad_reduce_scatter.{label}", "reduce-scatter",
+                                        4 * remaining, group, leaves * micro))
+                remaining /= math.prod(sizes[a] for a in group)
+    return [t for t in out if t.axes and t.nbytes > 0]
