@@ -21,6 +21,8 @@ import sys
 from collections.abc import Mapping, Sequence
 
 _TOOLS = ("ip", "tc", "taskset")
+#: `ip netns exec NS` bind-mounts the files of NETNS_ETC/NS over those of /etc
+NETNS_ETC = "/etc/netns"
 #: Signals that end a run the way Ctrl-C does, so the `with` block still removes the link.
 _SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
@@ -42,6 +44,11 @@ def unavailable() -> str | None:
 def _run(*cmd: str) -> None:
     """Runs one setup command; its failure is a `CalledProcessError` carrying its stderr."""
     subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def _run_unchecked(*cmd: str) -> None:
+    """Runs one removal command, whose failure (already gone) is no error."""
+    subprocess.run(cmd, capture_output=True)
 
 
 def _first_line(err: subprocess.CalledProcessError) -> str:
@@ -97,8 +104,8 @@ class SlowLink:
                     raise
                 raise LinkUnavailable(f"ip netns add failed: {_first_line(err)}") from None
             self._made.append(ns)
-            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-            with open(f"/etc/netns/{ns}/hosts", "w") as f:
+            os.makedirs(f"{NETNS_ETC}/{ns}", exist_ok=True)
+            with open(f"{NETNS_ETC}/{ns}/hosts", "w") as f:
                 f.write(f"127.0.0.1 localhost\n{address} {host}\n")
         # made inside the first namespace, so removing the namespaces removes the pair
         _run("ip", "-n", self.namespaces[0], "link", "add", self.veths[0], "type", "veth",
@@ -121,8 +128,8 @@ class SlowLink:
         hosts files; restores the signal handlers. Safe to call twice."""
         while self._made:
             ns = self._made.pop()
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+            _run_unchecked("ip", "netns", "del", ns)
+            shutil.rmtree(f"{NETNS_ETC}/{ns}", ignore_errors=True)
         for signum, handler in self._old_handlers.items():
             signal.signal(signum, handler)
         self._old_handlers.clear()
