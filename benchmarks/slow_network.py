@@ -65,6 +65,8 @@ CONFIGS: dict[str, Case] = {
     "onebit_lamb": Case("lamb", ("optimizer.type=OneBitLamb",),
                         ("optimizer.params.freeze_step={freeze}",)),
 }
+#: compared beside their baselines too: the issue wants 0/1 Adam at least as fast as 1-bit Adam
+RIVALS = (("zero_one_adam", "onebit_adam"),)
 QUICK = ("adamw", "onebit_adam")
 QUICK_STEPS = 6
 DEVICES_PER_HOST = 2
@@ -160,12 +162,14 @@ class Row:
 
 
 def summarize(rows: dict[str, Row], tolerance: float) -> list[dict]:
-    """Each configuration against its baseline, where both were run."""
+    """Each configuration against its baseline, then the pairs of RIVALS, where both ran."""
     out = []
-    for name, row in rows.items():
-        base = rows.get(row.baseline) if row.baseline else None
+    pairs = [(row, rows.get(row.baseline)) for row in rows.values() if row.baseline]
+    pairs += [(rows[a], rows[b]) for a, b in RIVALS if a in rows and b in rows]
+    for row, base in pairs:
         if base is None:
             continue
+        name = row.config
         a, b = row.tokens_per_second, base.tokens_per_second
         loss, base_loss = row.last_loss, base.last_loss
         rel = (loss - base_loss) / abs(base_loss) if loss is not None and base_loss else None
@@ -194,7 +198,7 @@ def _num(value, fmt="{:,.1f}") -> str:
 def print_table(rows: dict[str, Row], summary: list[dict], ranking: dict,
                 tolerance: float) -> None:
     """The table, then why predictions are missing (each reason once), then the rankings."""
-    vs = {s["config"]: s for s in summary}
+    vs = {s["config"]: s for s in summary if s["baseline"] == rows[s["config"]].baseline}
     print(f"{'config':<14} {'tokens/s':>9} {'predicted':>9} {'pred/meas':>9} {'vs':<6} "
           f"{'ratio':>7} {'loss':>7} {'base loss':>9} {'d loss':>7}")
     notes: dict[str, list[str]] = {}
@@ -208,9 +212,12 @@ def print_table(rows: dict[str, Row], summary: list[dict], ranking: dict,
               f"{s.get('baseline') or '-':<6} {_num(s.get('ratio'), '{:.2f}x'):>7} "
               f"{_num(r.last_loss, '{:.3f}'):>7} {_num(s.get('baseline_loss'), '{:.3f}'):>9} "
               f"{_num(s.get('loss_rel_diff'), '{:+.1%}'):>7}{within}"
-              + (f"   {r.error}" if r.error else ""))
+              + (f"   {r.error[:120]}" if r.error else ""))
         if r.prediction_note and not r.error:
             notes.setdefault(r.prediction_note, []).append(name)
+    for s in summary:
+        if s["baseline"] != rows[s["config"]].baseline:
+            print(f"{s['config']} vs {s['baseline']}: {_num(s['ratio'], '{:.2f}x')}")
     for note, names in notes.items():
         print(f"no prediction for {', '.join(names)}: {note}")
     if ranking["matches"] is None:

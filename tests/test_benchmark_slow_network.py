@@ -209,10 +209,20 @@ class _FakeLink:
         return 11.9
 
 
+def _name(overrides):
+    """The configuration a faked job was given, from its first override."""
+    first = overrides[0] if overrides else ""
+    return {"": "adamw", "zero_optimization.stage=3": "zero3",
+            "optimizer.type=OneBitAdam": "onebit_adam",
+            "optimizer.type=ZeroOneAdam": "zero_one_adam"}[first]
+
+
 def _fake_jobs(monkeypatch, tmp_path, *, hosts=2, fail=None, predicted=None):
     """slow_network with the link and the jobs faked: tokens/s and predictions per config."""
-    measured = {"zero3": 400.0, "zeropp": 1000.0, "adamw": 500.0, "onebit_adam": 1500.0}
-    predicted = predicted or {"zero3": 380.0, "zeropp": 1100.0, "adamw": 520.0, "onebit_adam": 1400.0}
+    measured = {"zero3": 400.0, "zeropp": 1000.0, "adamw": 500.0, "onebit_adam": 1500.0,
+                "zero_one_adam": 1800.0}
+    predicted = predicted or {"zero3": 380.0, "zeropp": 1100.0, "adamw": 520.0,
+                              "onebit_adam": 1400.0, "zero_one_adam": 1300.0}
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text("hosts: 2\n")
     monkeypatch.setattr(slow_network, "unavailable", lambda: None)
@@ -223,11 +233,10 @@ def _fake_jobs(monkeypatch, tmp_path, *, hosts=2, fail=None, predicted=None):
         cluster, hosts, 0.0118, 250.0))
 
     def predict(config, overrides, **kw):
-        name = {(): "adamw", ("zero_optimization.stage=3",): "zero3"}.get(tuple(overrides[:1]), "onebit_adam")
-        return predicted[name], None
+        return predicted[_name(overrides)], None
 
     def train(link, config, overrides, **kw):
-        name = {(): "adamw", ("zero_optimization.stage=3",): "zero3"}.get(tuple(overrides[:1]), "onebit_adam")
+        name = _name(overrides)
         if name == fail:
             return None, "exit [1, 'killed']: Traceback"
         return _link_jobs.Throughput(measured[name], 3.0 if name == "adamw" else 3.2, 8, 4, 5), None
@@ -238,24 +247,29 @@ def _fake_jobs(monkeypatch, tmp_path, *, hosts=2, fail=None, predicted=None):
 
 def test_report_with_predictions(monkeypatch, tmp_path, capsys):
     _fake_jobs(monkeypatch, tmp_path)
-    argv = ["--configs", "zeropp,onebit_adam", "--steps", "8", "--out", str(tmp_path / "r")]
+    argv = ["--configs", "zeropp,onebit_adam,zero_one_adam", "--steps", "8",
+            "--out", str(tmp_path / "r")]
     assert slow_network.main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "zeropp: not in this build: zero_quantized_weights"
     assert "one TCP stream moved 11.90 MB/s" in lines[1]
-    assert "[1/3] zero3: training 8 steps across the link ..." in lines
-    assert "[3/3] onebit_adam: 1,500.0 tokens/s over steps 5-8, loss 3.2000 (0 s)" in lines
+    assert "[1/4] zero3: training 8 steps across the link ..." in lines
+    assert "[3/4] onebit_adam: 1,500.0 tokens/s over steps 5-8, loss 3.2000 (0 s)" in lines
     table = lines[lines.index(next(l for l in lines if l.startswith("config "))):]
     assert table[2].split()[:3] == ["zeropp", "n/a", "n/a"]
     assert table[4].split()[:10] == ["onebit_adam", "1,500.0", "1,400.0", "0.93", "adamw",
                                      "3.00x", "3.200", "3.000", "+6.7%", "(over"]
-    assert table[-2] == ("ranking: measured onebit_adam > adamw > zero3; planner "
-                         "onebit_adam > adamw > zero3: matches")
+    assert table[5].split()[:6] == ["zero_one_adam", "1,800.0", "1,300.0", "0.72", "adamw", "3.60x"]
+    assert "zero_one_adam vs onebit_adam: 1.20x" in table
+    assert table[-2] == ("ranking: measured zero_one_adam > onebit_adam > adamw > zero3; planner "
+                         "onebit_adam > zero_one_adam > adamw > zero3: differs")
     last = json.loads(table[-1])
     assert (last["case"], last["ratio"], last["tcp_MBps"]) == ("onebit_adam vs adamw", 3.0, 11.9)
-    summary = {s["config"]: s for s in last["summary"]}
-    assert summary["zeropp"]["ratio"] is None and summary["onebit_adam"]["loss_within"] is False
-    assert last["ranking"]["matches"] is True
+    pairs = {(s["config"], s["baseline"]): s for s in last["summary"]}
+    assert pairs["zeropp", "zero3"]["ratio"] is None
+    assert pairs["onebit_adam", "adamw"]["loss_within"] is False
+    assert pairs["zero_one_adam", "onebit_adam"]["ratio"] == 1.2
+    assert last["ranking"]["matches"] is False
 
 
 def test_report_without_a_calibrated_link_and_a_broken_run(monkeypatch, tmp_path, capsys):
