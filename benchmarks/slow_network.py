@@ -106,6 +106,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--steps must be >= 4 (the median is over the last half), got {args.steps}")
     if args.rate < 0:
         parser.error(f"--rate must be >= 0 Mbit/s (0 = unshaped), got {args.rate:g}")
+    config = Path(args.config)
+    if not config.is_file() and (jobs.ROOT / config).is_file():
+        config = jobs.ROOT / config  # the jobs run in the repository root
+    if not config.is_file():
+        parser.error(f"--config: no such file: {args.config}")
+    args.config = str(config.resolve())
     if args.timeout <= 0 or args.loss_tolerance < 0:
         parser.error("--timeout must be > 0 and --loss-tolerance >= 0")
     wanted = {*names, *(b for n in names if (b := CONFIGS[n].baseline) is not None)}

@@ -40,6 +40,7 @@ def test_unavailable_names_what_is_missing(monkeypatch):
     (["--steps", "3"], "--steps must be >= 4"),
     (["--rate", "-1"], "--rate must be >= 0"),
     (["--timeout", "0"], "--timeout must be > 0"),
+    (["--config", "configs/no_such.yaml"], "--config: no such file: configs/no_such.yaml"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
