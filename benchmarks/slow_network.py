@@ -305,9 +305,10 @@ def run_all(link: SlowLink, args, rows: dict[str, Row], out: Path) -> dict:
     runnable = [r for r in rows.values() if r.error is None]
     for row in runnable:
         if note is None:
-            row.predicted_tokens_per_second, row.prediction_note = jobs.predict(
+            predicted, row.prediction_note = jobs.predict(
                 args.config, row.overrides, cluster=cal.cluster, devices=DEVICES_PER_HOST,
                 timeout=args.timeout)
+            row.predicted_tokens_per_second = None if predicted is None else round(predicted, 1)
         else:
             row.prediction_note = note
     for i, row in enumerate(runnable, 1):
