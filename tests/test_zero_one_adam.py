@@ -251,17 +251,31 @@ def test_engine_is_adam_before_the_first_gradient_step_and_moves_no_gradient_aft
         engine.onebit_axes)
 
 
-#: The convergence bound: as test_onebit_engine's (the mean over 3 seeds of the relative
-#: final-loss gap to Adam), with local steps after the freeze: the sync interval grows
-#: 1, 2, 4 (every 40 steps), so past step 140 the workers synchronise every 4th step.
-ZERO_ONE_CONVERGENCE = ("lr: 0.003, var_freeze_step: 60, var_update_scaler: 8, "
+#: The convergence run's 0/1 Adam: DeepSpeed's default var_update_scaler (16: the variance is
+#: updated at steps 1-16, then every 2nd step, then every 4th, up to the freeze at 60, the others
+#: averaging the gradient 1-bit compressed); after the freeze the sync interval grows 1, 2, 4
+#: (every 40 steps), so past step 140 the workers synchronise every 4th step only.
+ZERO_ONE_CONVERGENCE = ("lr: 0.003, var_freeze_step: 60, var_update_scaler: 16, "
                         "local_step_scaler: 40, local_step_clipper: 4")
+#: bound on the mean over seeds 0, 1, 2 of (0/1 Adam - Adam) / Adam, the final losses
+CONVERGENCE_MEAN_GAP = 0.025
 
 
 @pytest.mark.slow
 def test_converges_like_adam():
-    """300 steps, the test_onebit_engine schedule and measure; 0/1 Adam's mean gap to Adam over
-    seeds 0, 1, 2 within 4% (the 1-bit Adam bound: between correct and broken runs there)."""
+    """300 steps, test_onebit_engine's schedule and measure (the mean of the last 20 losses,
+    the same data, init and decaying lr for both): 0/1 Adam's mean gap to Adam over 3 seeds is
+    at most +2.5%.
+
+    Measured (jax 0.12, -O0, 2-core AVX2 EPYC): per seed -3.2%, -4.3%, +1.2% (mean -2.1%: on
+    this tiny model 0/1 Adam ends below Adam, so the bound is one-sided: a lower loss is not the
+    failure this test guards against). Broken, a sync that averages the step but leaves each
+    worker its stale momentum instead of the rebuilt one: +2.1%, +4.1%, +8.7% (mean +5.0%).
+    2.5% lies between. The variance policy matters on this model: with var_update_scaler 8
+    (fewer variance steps, more 1-bit gradient steps in the lr warm-up) seed 0 alone was +18%;
+    0/1 Adam with variance updates every step and a sync every step equals 1-bit Adam
+    (+1.0% vs +1.9% on seed 0).
+    """
     engines = {
         name: js.initialize(config(f"optimizer.type={name}", f"optimizer.params={{{params}}}",
                                    CONVERGENCE_SCHEDULE))
@@ -274,4 +288,4 @@ def test_converges_like_adam():
             _, losses = run(engine, engine.init(jax.random.key(seed)), 0, 300, data_seed=seed)
             final[name] = np.mean(losses[-20:])
         gaps.append((final["ZeroOneAdam"] - final["Adam"]) / final["Adam"])
-    assert abs(np.mean(gaps)) <= 0.04, np.round(gaps, 4).tolist()
+    assert np.mean(gaps) <= CONVERGENCE_MEAN_GAP, np.round(gaps, 4).tolist()
