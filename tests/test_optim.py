@@ -353,7 +353,7 @@ def test_onebit_phases():
     phases, phase_of = onebit_phases(_opt("ZeroOneAdam", var_freeze_step=2,
                                           local_step_scaler=1, local_step_clipper=2))
     assert phases == ("variance", "gradient", "local", "sync")
-    assert [phase_of(c) for c in range(5)] == ["variance", "variance", "sync", "local", "sync"]
+    assert [phase_of(c) for c in range(6)] == ["variance", "variance", "sync", "sync", "local", "sync"]
     with pytest.raises(ConfigError, match="optimizer.type Adam has no 1-bit phases"):
         onebit_phases(_opt("Adam"))
 
