@@ -232,7 +232,9 @@ def zero_one_adam(
     def init_fn(params):
         rows, workers = _init_layout(axis_name)
         worker, server = error_feedback_sizes(params, num_workers=workers)
-        stacked = lambda: jax.tree.map(lambda p: jnp.zeros((rows, *p.shape), p.dtype), params)  # noqa: E731
+        def stacked():  # one row per worker
+            return jax.tree.map(lambda p: jnp.zeros((rows, *p.shape), p.dtype), params)
+
         return ZeroOneAdamState(
             jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32), optax.tree.zeros_like(params),
             optax.tree.zeros_like(params), stacked(), stacked(), jnp.zeros([], jnp.float32),
@@ -313,9 +315,10 @@ def zero_one_adam(
             scaled, error_worker, error_server, axis_name=axis_name)
         updates = jax.tree.map(lambda a, d, p: (a / d).astype(p.dtype), average, denom, params)
         # the lr-weighted mean momentum, without the decay's share (module docstring)
-        mu = jax.tree.map(
-            lambda a, d, p, old: (-(a + weight_decay * lr_sum * d * p) / step_sum).astype(old.dtype),
-            average, denom, params, state.mu)
+        def rebuilt(a, d, p, old):
+            return ((a + weight_decay * lr_sum * d * p) / -step_sum).astype(old.dtype)
+
+        mu = jax.tree.map(rebuilt, average, denom, params, state.mu)
         zero = jnp.zeros([], jnp.float32)
         return updates, state._replace(
             count=count_inc, mu=mu, mu_local=stack(mu, mu),
