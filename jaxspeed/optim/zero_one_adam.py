@@ -210,7 +210,7 @@ def zero_one_adam(
       weight_decay: decoupled weight decay.
       var_freeze_step: the last update (1-based) that may update the variance.
       var_update_scaler: variance updates per interval before the interval doubles (kappa).
-      local_step_scaler: local steps per sync interval before the interval doubles.
+      local_step_scaler: steps after the freeze before the sync interval doubles (again).
       local_step_clipper: the largest sync interval (H).
       bias_correction: Adam's bias correction (module docstring).
       axis_name: mesh axis (or tuple of axes) of data parallelism, or None for one worker.
