@@ -13,7 +13,7 @@ import pytest
 from jaxspeed.config import load_config
 from jaxspeed.errors import ConfigError
 from jaxspeed.optim import build_optimizer, make_optimizer, make_schedule
-from jaxspeed.optim.factory import base_learning_rate, onebit_freeze_step
+from jaxspeed.optim.factory import base_learning_rate, onebit_phases
 from numerics import adam_constants_rtol, assert_close, program_rtol
 
 
@@ -345,11 +345,17 @@ def test_onebit_adam_from_config():
         make_optimizer(_opt("OneBitAdam", lr=LR, freeze_stepp=3), learning_rate=LR)
 
 
-def test_onebit_freeze_step():
-    assert onebit_freeze_step(_opt("OneBitAdam")) == 100_000
-    assert onebit_freeze_step(_opt("onebitadam", freeze_step=1e3)) == 1000
-    with pytest.raises(ConfigError, match="optimizer.type Adam has no freeze_step"):
-        onebit_freeze_step(_opt("Adam"))
+def test_onebit_phases():
+    phases, phase_of = onebit_phases(_opt("OneBitAdam"))
+    assert phases == ("warmup", "compressed") and phase_of(99_999) == "warmup"
+    _, phase_of = onebit_phases(_opt("onebitadam", freeze_step=1e3))
+    assert (phase_of(999), phase_of(1000)) == ("warmup", "compressed")
+    phases, phase_of = onebit_phases(_opt("ZeroOneAdam", var_freeze_step=2,
+                                          local_step_scaler=1, local_step_clipper=2))
+    assert phases == ("variance", "gradient", "local", "sync")
+    assert [phase_of(c) for c in range(6)] == ["variance", "variance", "sync", "sync", "local", "sync"]
+    with pytest.raises(ConfigError, match="optimizer.type Adam has no 1-bit phases"):
+        onebit_phases(_opt("Adam"))
 
 
 def test_unknown_optimizer_type_lists_accepted():

@@ -156,6 +156,25 @@ class OneBitLambParams(LambParams):
         return self
 
 
+class ZeroOneAdamParams(_OptimizerParams):
+    """DeepSpeed's ZeroOneAdam (`jaxspeed.optim.zero_one_adam`); cuda_aware and
+    comm_backend_name are accepted and ignored, as for OneBitAdam."""
+
+    betas: _Betas = (0.9, 0.999)
+    eps: _Float = 1e-8
+    #: the last step that may update the variance (adaptive freezing until then)
+    var_freeze_step: Annotated[_Count, Field(ge=0)] = 100000
+    #: variance updates per interval before the interval doubles
+    var_update_scaler: Annotated[_Count, Field(ge=1)] = 16
+    #: steps per sync interval before the interval doubles (after the freeze)
+    local_step_scaler: Annotated[_Count, Field(ge=1)] = 32678
+    #: the largest sync interval
+    local_step_clipper: Annotated[_Count, Field(ge=1)] = 16
+    bias_correction: Bool = True
+    cuda_aware: Bool = False
+    comm_backend_name: Annotated[str, Field(strict=True)] = "nccl"
+
+
 AdamConfig = _typed("optimizer", "Adam", AdamParams)
 AdamWConfig = _typed("optimizer", "AdamW", AdamWParams)  # the default optimizer
 SGDConfig = _typed("optimizer", "SGD", SGDParams)
@@ -164,8 +183,9 @@ AdafactorConfig = _typed("optimizer", "Adafactor", AdafactorParams)
 OneBitAdamConfig = _typed("optimizer", "OneBitAdam", OneBitAdamParams)
 LambConfig = _typed("optimizer", "Lamb", LambParams)
 OneBitLambConfig = _typed("optimizer", "OneBitLamb", OneBitLambParams)
+ZeroOneAdamConfig = _typed("optimizer", "ZeroOneAdam", ZeroOneAdamParams)
 #: The optimizers whose workers keep gradients local and exchange 1-bit compressed momentum.
-ONEBIT_TYPES = ("OneBitAdam", "OneBitLamb")
+ONEBIT_TYPES = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
 
 
 # ---------------------------------------------------------------------------------- schedulers
@@ -214,7 +234,7 @@ WarmupCosineConfig = _typed("scheduler", "WarmupCosine", WarmupCosineParams)
 
 _Optimizers = (
     AdamConfig | AdamWConfig | SGDConfig | LionConfig | AdafactorConfig | OneBitAdamConfig
-    | LambConfig | OneBitLambConfig
+    | LambConfig | OneBitLambConfig | ZeroOneAdamConfig
 )
 _Schedulers = ConstantConfig | WarmupLRConfig | WarmupDecayLRConfig | WarmupCosineConfig
 

@@ -1,4 +1,4 @@
-"""Optimizers: factories from config, 1-bit Adam and 1-bit LAMB with their compressed
+"""Optimizers: factories from config, 1-bit Adam, 0/1 Adam and 1-bit LAMB with their compressed
 all-reduce, and LAMB."""
 
 from jaxspeed.optim.compressed import compressed_allreduce
@@ -6,10 +6,12 @@ from jaxspeed.optim.factory import build_optimizer, make_optimizer, make_schedul
 from jaxspeed.optim.lamb import lamb
 from jaxspeed.optim.onebit import OneBitAdamState, onebit_adam
 from jaxspeed.optim.onebit_lamb import OneBitLambState, onebit_lamb
+from jaxspeed.optim.zero_one_adam import ZeroOneAdamState, worker_params, zero_one_adam
 
 __all__ = [
     "OneBitAdamState",
     "OneBitLambState",
+    "ZeroOneAdamState",
     "build_optimizer",
     "compressed_allreduce",
     "lamb",
@@ -17,4 +19,6 @@ __all__ = [
     "make_schedule",
     "onebit_adam",
     "onebit_lamb",
+    "worker_params",
+    "zero_one_adam",
 ]

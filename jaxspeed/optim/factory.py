@@ -35,6 +35,7 @@ from jaxspeed.config.optimizer import (
     OptimizerConfig,
     SchedulerConfig,
     SGDParams,
+    ZeroOneAdamParams,
 )
 from jaxspeed.errors import ConfigError
 
@@ -222,6 +223,20 @@ def _onebit_lamb(
     )
 
 
+def _zero_one_adam(
+    p: ZeroOneAdamParams, lr: optax.ScalarOrSchedule, axis_name
+) -> optax.GradientTransformation:
+    from jaxspeed.optim.zero_one_adam import zero_one_adam
+
+    b1, b2 = p.betas
+    return zero_one_adam(
+        lr, b1=b1, b2=b2, eps=p.eps, weight_decay=p.weight_decay,
+        var_freeze_step=p.var_freeze_step, var_update_scaler=p.var_update_scaler,
+        local_step_scaler=p.local_step_scaler, local_step_clipper=p.local_step_clipper,
+        bias_correction=p.bias_correction, axis_name=axis_name,
+    )
+
+
 _BUILDERS: dict[str, Callable[[Any, optax.ScalarOrSchedule], optax.GradientTransformation]] = {
     "Adam": lambda p, lr: _adam(p, lr, decoupled=p.adam_w_mode),
     "AdamW": functools.partial(_adam, decoupled=True),
@@ -249,6 +264,7 @@ def make_optimizer(
     - `OneBitAdam`: `jaxspeed.optim.onebit_adam`, communicating over `axis_name`.
     - `Lamb`: `jaxspeed.optim.lamb` (FusedLamb's clamped trust ratio).
     - `OneBitLamb`: `jaxspeed.optim.onebit_lamb`, communicating over `axis_name`.
+    - `ZeroOneAdam`: `jaxspeed.optim.zero_one_adam`, communicating over `axis_name`.
 
     Args:
       optimizer_cfg: an `OptimizerConfig` (or an object with `.type` and `.params`, validated
@@ -268,16 +284,32 @@ def make_optimizer(
         return _onebit(cfg.params, learning_rate, axis_name)
     if cfg.type == "OneBitLamb":
         return _onebit_lamb(cfg.params, learning_rate, axis_name)
+    if cfg.type == "ZeroOneAdam":
+        return _zero_one_adam(cfg.params, learning_rate, axis_name)
     return _BUILDERS[cfg.type](cfg.params, learning_rate)
 
 
-def onebit_freeze_step(optimizer_cfg) -> int:
-    """`optimizer.params.freeze_step` of a 1-bit optimizer's config (validated, defaulted)."""
+def onebit_phases(optimizer_cfg) -> tuple[tuple[str, ...], Callable[[int], str]]:
+    """The phases of a 1-bit optimizer's config (each its own compiled step, the first the
+    default one) and `phase_of(step)`, the phase of the update after `step` applied ones.
+
+    Raises:
+      ConfigError: an optimizer that is not one of `ONEBIT_TYPES`.
+    """
+    from jaxspeed.optim.onebit import COMPRESSED, WARMUP, onebit_phase
+    from jaxspeed.optim.zero_one_adam import PHASES, zero_one_phase
+
     cfg = _typed(optimizer_cfg, "optimizer")
     if cfg.type not in ONEBIT_TYPES:
-        raise ConfigError(f"optimizer.type {cfg.type} has no freeze_step "
+        raise ConfigError(f"optimizer.type {cfg.type} has no 1-bit phases "
                           f"({', '.join(ONEBIT_TYPES)} have)")
-    return cfg.params.freeze_step
+    p = cfg.params
+    if cfg.type == "ZeroOneAdam":
+        return PHASES, functools.partial(
+            zero_one_phase, var_freeze_step=p.var_freeze_step,
+            var_update_scaler=p.var_update_scaler, local_step_scaler=p.local_step_scaler,
+            local_step_clipper=p.local_step_clipper)
+    return (WARMUP, COMPRESSED), functools.partial(onebit_phase, freeze_step=p.freeze_step)
 
 
 def build_optimizer(

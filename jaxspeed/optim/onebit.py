@@ -316,15 +316,16 @@ def onebit_state_specs(
 
     Returns:
       A tree like `opt_state` of `PartitionSpec`s: `P(axis_name)` (dim 0, the workers) for the
-      error buffers, `default` elsewhere. Use it as shard_map in/out specs and for
+      error buffers (and the other per-worker fields a state names in `WORKER_FIELDS`, e.g.
+      `ZeroOneAdamState`'s), `default` elsewhere. Use it as shard_map in/out specs and for
       `NamedSharding`s of the global state.
     """
-    worker = PartitionSpec(axis_name)
-
     def specs(node):
         if _has_error_feedback(node):
+            rows = getattr(node, "WORKER_FIELDS", _ERROR_BUFFERS)
             return type(node)(**{
-                name: worker if name in _ERROR_BUFFERS else jax.tree.map(lambda _: default, value)
+                name: jax.tree.map(
+                    lambda x: PartitionSpec(axis_name) if name in rows else default, value)
                 for name, value in node._asdict().items()
             })
         return jax.tree.map(lambda _: default, node)
@@ -336,6 +337,6 @@ _ERROR_BUFFERS = ("error_worker", "error_server")
 
 
 def _has_error_feedback(node) -> bool:
-    """A 1-bit optimizer's state (`OneBitAdamState`, `OneBitLambState`): a NamedTuple holding
-    the compressed all-reduce's error buffers."""
+    """A 1-bit optimizer's state (`OneBitAdamState`, `OneBitLambState`, `ZeroOneAdamState`): a
+    NamedTuple holding the compressed all-reduce's error buffers."""
     return hasattr(node, "_asdict") and all(hasattr(node, name) for name in _ERROR_BUFFERS)

@@ -36,8 +36,7 @@ from jaxspeed.sharding.rules import DEFAULT_RULES
 from jaxspeed.ops.offload import DEVICE, HOST, with_memory_kind
 from jaxspeed.train.onebit_step import onebit_train_step
 from jaxspeed.train.onebit_step import state_specs as onebit_state_specs
-from jaxspeed.optim.factory import onebit_freeze_step
-from jaxspeed.optim.onebit import COMPRESSED, WARMUP
+from jaxspeed.optim.factory import onebit_phases
 from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
 from jaxspeed.train.step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
 
@@ -93,25 +92,26 @@ class Engine:
         jit_step = functools.partial(
             jax.jit, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
         )
-        if self.onebit_axes:  # one compiled step per phase, switched at freeze_step
-            self.freeze_step = onebit_freeze_step(config.optimizer)
+        if self.onebit_axes:  # one compiled step per phase, switched by the step count
+            self._phases, self._phase_of = onebit_phases(config.optimizer)
             specs = onebit_state_specs(self.abstract_state(), self.onebit_axes)
             self._train = {
                 phase: jit_step(functools.partial(
                     onebit_train_step, self._spec, mesh=mesh, axes=self.onebit_axes,
                     rules=plan.rules, phase=phase, specs=specs,
                 ))
-                for phase in (WARMUP, COMPRESSED)
+                for phase in self._phases
             }
         else:
             self._train = {None: jit_step(functools.partial(train_step, self._spec, dp))}
         self._eval = jax.jit(functools.partial(eval_step, self._spec, dp), in_shardings=(shardings, None))
 
     def _phase(self, step: int | None) -> str | None:
-        """The compiled step to run at `step`: 1-bit Adam's phase, or the one step."""
+        """The compiled step to run at `step`: a 1-bit optimizer's phase (its first, with full
+        precision gradient averaging, for None), or the one step."""
         if not self.onebit_axes:
             return None
-        return WARMUP if step is None or step < self.freeze_step else COMPRESSED
+        return self._phases[0] if step is None else self._phase_of(step)
 
     # -- layouts ------------------------------------------------------------------------
     def _gathered_params(self):

@@ -1,10 +1,14 @@
-"""The 1-bit Adam train step: a `shard_map` over the data-parallel axes that keeps gradients local.
+"""The 1-bit optimizers' train step: a `shard_map` over the data-parallel axes that keeps
+gradients local.
 
 Inside the map each data-parallel worker computes the gradient of its own rows; no gradient
-all-reduce is inserted by XLA. `onebit_adam` then communicates what it needs: a full-precision
-`pmean` of the gradients during warm-up, and after `freeze_step` only its 1-bit compressed
-all-reduce of the momentum. The engine compiles one step per phase (`WARMUP`, `COMPRESSED`) and
-switches between them at `freeze_step`, so neither program carries the other's collectives.
+all-reduce is inserted by XLA. The optimizer then communicates what it needs: `onebit_adam` and
+`onebit_lamb` a full-precision `pmean` of the gradients during warm-up, and after `freeze_step`
+only their 1-bit compressed all-reduce of the momentum; `zero_one_adam` a `pmean` at its
+variance steps, the 1-bit all-reduce at its gradient and sync steps, and nothing at its local
+steps (where each worker's gradient is taken at its own `worker_params`). The engine compiles
+one step per phase (`factory.onebit_phases`) and picks it from the step count, so no program
+carries another's collectives.
 
 Only the data-parallel axes are manual: the `tensor` axis stays automatic, so tensor
 parallelism inside a data shard works as in the ordinary step.
@@ -23,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jaxspeed.ops import precision
 from jaxspeed.errors import ConfigError
 from jaxspeed.optim.onebit import PHASE_ARG, onebit_state_specs
+from jaxspeed.optim.zero_one_adam import worker_params
 from jaxspeed.train.step import StepSpec, TrainState, _loss_and_grads
 
 
@@ -80,6 +85,8 @@ def onebit_train_step(
             # Varying params: their gradient stays this worker's own (differentiating w.r.t. a
             # replicated input would make shard_map's transpose all-reduce it).
             varying = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), state.params)
+            # 0/1 Adam's local steps: each worker's own params, the synchronised ones + drift
+            varying = worker_params(varying, state.opt_state)
             compute = precision.cast_floating(varying, spec.compute_dtype)
             next_rng, step_rng = jax.random.split(state.rng)
             # each worker its own draws (gate noise, dropout): its tokens are its own
