@@ -59,8 +59,12 @@ CONFIGS: dict[str, Case] = {
     "adamw": Case(None),
     "onebit_adam": Case("adamw", ("optimizer.type=OneBitAdam",),
                         ("optimizer.params.freeze_step={freeze}",)),
+    # local steps: syncs every 1, 2, 4 then 8 steps after the freeze (DeepSpeed's default
+    # local_step_scaler, 32678, would sync every step of a short run: 1-bit Adam's traffic)
     "zero_one_adam": Case("adamw", ("optimizer.type=ZeroOneAdam",),
-                          ("optimizer.params.var_freeze_step={freeze}",)),
+                          ("optimizer.params.var_freeze_step={freeze}",
+                           "optimizer.params.local_step_scaler=2",
+                           "optimizer.params.local_step_clipper=8")),
     "lamb": Case(None, ("optimizer.type=Lamb",)),
     "onebit_lamb": Case("lamb", ("optimizer.type=OneBitLamb",),
                         ("optimizer.params.freeze_step={freeze}",)),
