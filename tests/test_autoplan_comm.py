@@ -11,8 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.autoplan.comm import (
-    collective_seconds, collective_time, group_axes, hosts_spanned, step_comm_seconds,
+    collective_seconds, collective_time, hosts_spanned, step_comm_seconds,
 )
+from jaxspeed.autoplan.placement import group_axes
 from jaxspeed.runtime.mesh import AXES, make_mesh
 from jaxspeed.cost.hlo import Collective, collectives
 

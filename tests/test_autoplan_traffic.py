@@ -1,5 +1,5 @@
 """The planner's byte model (`autoplan.traffic`), gloo's flat algorithms on hosts
-(`comm.link_load`), the predicted step of `plan --cluster` and the ZeRO++ / 1-bit ranking."""
+(`gloo.link_load`), the predicted step of `plan --cluster` and the ZeRO++ / 1-bit ranking."""
 
 import collections
 import dataclasses
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from jaxspeed.autoplan import comm, traffic
+from jaxspeed.autoplan import gloo, placement, traffic
 from jaxspeed.autoplan.cluster import Cluster, load_cluster, save_cluster
 from jaxspeed.autoplan.estimate import estimate, param_counts
 from jaxspeed.autoplan.predict import PREDICTED_KEYS, onebit_alternatives
@@ -56,21 +56,21 @@ B = 1200.0
     ("all-to-all", [0, 1, 2, 3], 4 * B / 4, B / 4, 3),
 ])
 def test_link_load_by_hand(kind, order, cross, intra, rounds):
-    load = comm.link_load(kind, B, [order], devices_per_host=2)
-    assert load == comm.LinkLoad(pytest.approx(cross), pytest.approx(intra), rounds, True)
+    load = gloo.link_load(kind, B, [order], devices_per_host=2)
+    assert load == gloo.LinkLoad(pytest.approx(cross), pytest.approx(intra), rounds, True)
 
 
 def test_ordered_groups_follow_the_axes_order():
     shape = {"host": 2, "data": 2}
-    assert comm.ordered_groups(("host", "data"), shape) == [[0, 1, 2, 3]]
-    assert comm.ordered_groups(("data", "host"), shape) == [[0, 2, 1, 3]]
-    assert comm.ordered_groups(("host",), shape) == [[0, 2], [1, 3]]
+    assert placement.ordered_groups(("host", "data"), shape) == [[0, 1, 2, 3]]
+    assert placement.ordered_groups(("data", "host"), shape) == [[0, 2, 1, 3]]
+    assert placement.ordered_groups(("host",), shape) == [[0, 2], [1, 3]]
 
 
 def test_flat_seconds_is_the_busiest_link_plus_a_latency_a_round():
     cluster = _slow()
-    load = comm.link_load("all-reduce", 12.5e6, [[0, 1, 2, 3]], devices_per_host=2)
-    seconds = comm.flat_seconds(load, devices_per_host=2, intra=cluster.intra_host,
+    load = gloo.link_load("all-reduce", 12.5e6, [[0, 1, 2, 3]], devices_per_host=2)
+    seconds = gloo.flat_seconds(load, devices_per_host=2, intra=cluster.intra_host,
                                 inter=cluster.inter_host)
     assert seconds == pytest.approx(1.5 + 6 * 200e-6)  # 1.5 x 12.5 MB over 12.5 MB/s
 
@@ -127,7 +127,7 @@ def test_zeropp_bytes_by_hand():
 
 
 def test_zero0_bytes_match_the_compiled_step_on_two_emulated_hosts():
-    from jaxspeed.autoplan.comm import group_axes
+    from jaxspeed.autoplan.placement import group_axes
     from jaxspeed.cost.hlo import collectives
     from jaxspeed.train.engine import initialize
 

@@ -1,10 +1,8 @@
 """How long a compiled step's collectives take on a cluster's links.
 
-Placement: devices are numbered row-major over the mesh shape in `AXES` order (tensor
-innermost), which is the order of SPMD partition ids, and device `d` sits on host
-`d // devices_per_host`. A collective's group is a box of the mesh: the devices that differ from
-one member only along the group's axes. All groups of a collective are alike, so the one holding
-device 0 stands for them.
+Placement (`jaxspeed.autoplan.placement`): device `d` of the row-major mesh sits on host
+`d // devices_per_host`. All groups of a collective are alike, so the one holding device 0
+stands for them.
 
 Costs are the ring / pairwise bandwidth-latency model on per-device bytes, in the profiler's
 convention: the full buffer (all-gather: the gathered output; reduce-scatter: the unscattered
@@ -20,25 +18,22 @@ input; all-reduce, all-to-all: the operand; collective-permute: what one device 
 A group that spans H hosts with k members on each is costed hierarchically (`collective_time`),
 as NCCL runs it (`ALGORITHMS[0]`, "nccl"). Gloo, which carries XLA:CPU's collectives between
 processes, runs flat algorithms in the group's rank order instead (`ALGORITHMS[1]`, "gloo";
-`link_load`): all-reduce as one ring (reduce-scatter, then all-gather: 2(g-1) rounds of B/g
-per edge), all-gather as one ring ((g-1) rounds of B/g), reduce-scatter by recursive halving
-(round s exchanges B/2^(s+1) with rank XOR 2^s; a ring where g is not a power of 2),
-all-to-all as direct sends of B/g to every peer, and collective-permute as one send. Each
-message goes over the link its two ends share, so what bounds a gloo collective on a slow
-network is the bytes the busiest host sends to other hosts (its NIC) plus one latency per
-round. No overlap with compute or between collectives is assumed.
+`jaxspeed.autoplan.gloo`). No overlap with compute or between collectives is assumed.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
-from jaxspeed.runtime.mesh import AXES
+from jaxspeed.autoplan.gloo import flat_seconds, link_load
+from jaxspeed.autoplan.placement import (
+    along, axis_sizes, box, coords_of, group_axes, ordered_groups,
+)
 from jaxspeed.cost.hlo import COLLECTIVES, Collective
+from jaxspeed.runtime.mesh import AXES
 
 
 #: Collective algorithm families a cluster's communication library runs (see the docstring).
@@ -50,68 +45,6 @@ class LinkSpeed(Protocol):
 
     bandwidth_gbps: float  #: GB/s (1e9 bytes/s) one device sends while all send at once
     latency_us: float  #: one message hop
-
-
-def _shape(mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
-    """`{"data": 4, "tensor": 2}` → sizes in `AXES` order, missing axes 1."""
-    unknown = set(mesh_shape) - set(AXES)
-    if unknown:
-        raise ValueError(
-            f"mesh_shape: unknown axis {sorted(unknown)}; accepted axes are {list(AXES)}"
-        )
-    bad = {a: n for a, n in mesh_shape.items() if n < 1 or int(n) != n}
-    if bad:
-        raise ValueError(f"mesh_shape: sizes must be positive integers, got {bad}")
-    return tuple(int(mesh_shape.get(axis, 1)) for axis in AXES)
-
-
-def _coords(device: int, shape: Sequence[int]) -> tuple[int, ...]:
-    coords = []
-    for size in reversed(shape):
-        device, c = divmod(device, size)
-        coords.append(c)
-    return tuple(reversed(coords))
-
-
-def _device(coords: Sequence[int], shape: Sequence[int]) -> int:
-    device = 0
-    for c, size in zip(coords, shape):
-        device = device * size + c
-    return device
-
-
-def _box(sets: Sequence[Iterable[int]], shape: Sequence[int]) -> list[int]:
-    """Device ids of the product of per-axis coordinate sets."""
-    return [_device(c, shape) for c in itertools.product(*sets)]
-
-
-def _along(axes: Sequence[str], shape: Sequence[int]) -> list[range]:
-    """Coordinate sets of the group along `axes` that holds device 0."""
-    unknown = set(axes) - set(AXES)
-    if unknown:
-        raise ValueError(f"axes: unknown axis {sorted(unknown)}; accepted axes are {list(AXES)}")
-    return [range(n) if axis in axes else range(1) for axis, n in zip(AXES, shape)]
-
-
-def group_axes(groups: Iterable[Sequence[int]], mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
-    """The mesh axes along which the members of some group differ, in `AXES` order.
-
-    Args:
-      groups: replica groups of partition ids, or collective-permute `(source, target)` pairs
-        (then: the axes along which a source and its target differ).
-      mesh_shape: axis name → size of the mesh the program was compiled on.
-    """
-    shape = _shape(mesh_shape)
-    devices = math.prod(shape)
-    differ: set[int] = set()
-    for group in groups:
-        bad = [d for d in group if not 0 <= d < devices]
-        if bad:
-            raise ValueError(f"groups: device ids {bad} are outside the mesh {dict(mesh_shape)} "
-                             f"of {devices} devices")
-        coords = [_coords(d, shape) for d in group]
-        differ.update(i for c in coords[1:] for i in range(len(AXES)) if c[i] != coords[0][i])
-    return tuple(AXES[i] for i in sorted(differ))
 
 
 def collective_seconds(kind: str, nbytes: float, group_size: int, link: LinkSpeed) -> float:
@@ -155,8 +88,8 @@ def hosts_spanned(
     Members per host is the count on the fullest host (all hosts hold the same count when the
     mesh's inner sizes and `devices_per_host` divide each other, as on real clusters).
     """
-    shape = _shape(mesh_shape)
-    return _placement(_box(_along(axes, shape), shape), devices_per_host)
+    shape = axis_sizes(mesh_shape)
+    return _placement(box(along(axes, shape), shape), devices_per_host)
 
 
 def _time(
@@ -207,17 +140,17 @@ def collective_time(
     if algorithm == "gloo":
         load = link_load(kind, nbytes, ordered_groups(axes, mesh_shape), devices_per_host)
         return flat_seconds(load, devices_per_host=devices_per_host, intra=intra, inter=inter)
-    shape = _shape(mesh_shape)
-    return _time(kind, nbytes, _box(_along(axes, shape), shape), devices_per_host, intra, inter)
+    shape = axis_sizes(mesh_shape)
+    return _time(kind, nbytes, box(along(axes, shape), shape), devices_per_host, intra, inter)
 
 
 def _real_shape(
     mesh_shape: Mapping[str, int], scale_axes: Mapping[str, int] | None
 ) -> tuple[int, ...]:
-    shape = _shape(mesh_shape)
+    shape = axis_sizes(mesh_shape)
     if not scale_axes:
         return shape
-    real = _shape({**mesh_shape, **scale_axes})
+    real = axis_sizes({**mesh_shape, **scale_axes})
     for axis, size in scale_axes.items():
         compiled = mesh_shape.get(axis, 1)
         if compiled < 2 or size < compiled:
@@ -267,7 +200,7 @@ def step_comm_seconds(
     if algorithm == "gloo" and scale_axes:
         raise ValueError("scale_axes: a proxy compile cannot be costed with gloo's flat "
                          "algorithms (their rank order is the real mesh's)")
-    shape = _shape(mesh_shape)
+    shape = axis_sizes(mesh_shape)
     real = _real_shape(mesh_shape, scale_axes)
     scaled = set(scale_axes or ())
     by_kind = dict.fromkeys(COLLECTIVES, 0.0)
@@ -278,10 +211,10 @@ def step_comm_seconds(
         if not axes:
             continue
         if op.kind == "collective-permute":
-            sets = _along(axes, shape)
+            sets = along(axes, shape)
         else:
             group = next((g for g in groups if 0 in g), groups[0])
-            coords = [_coords(d, shape) for d in group]
+            coords = [coords_of(d, shape) for d in group]
             sets = [sorted({c[i] for c in coords}) for i in range(len(AXES))]
         sets = [range(real[i]) if AXES[i] in scaled and len(s) > 1 else s
                 for i, s in enumerate(sets)]
@@ -289,121 +222,12 @@ def step_comm_seconds(
             load = link_load(op.kind, op.bytes, groups, devices_per_host)
             once = flat_seconds(load, devices_per_host=devices_per_host, intra=intra, inter=inter)
         else:
-            once = _time(op.kind, op.bytes, _box(sets, real), devices_per_host, intra, inter)
+            once = _time(op.kind, op.bytes, box(sets, real), devices_per_host, intra, inter)
         seconds = op.executions * once
         by_kind[op.kind] += seconds
         key = "+".join(axes)
         by_axes[key] = by_axes.get(key, 0.0) + seconds
     return {"total": sum(by_kind.values()), "by_kind": by_kind, "by_axes": by_axes}
-
-
-# -- flat (gloo) algorithms ------------------------------------------------------------------
-
-
-def ordered_groups(axes: Sequence[str], mesh_shape: Mapping[str, int]) -> list[list[int]]:
-    """Every group of a collective along `axes`, each in its rank order: `axes[0]` major.
-
-    The order is the one a collective's replica groups list (a ZeRO gather over
-    `("data", "host")` ranks data-major), which decides the ring's neighbours.
-    """
-    shape = _shape(mesh_shape)
-    unknown = set(axes) - set(AXES)
-    if unknown:
-        raise ValueError(f"axes: unknown axis {sorted(unknown)}; accepted axes are {list(AXES)}")
-    along = [AXES.index(a) for a in axes]
-    others = [i for i in range(len(AXES)) if i not in along]
-    groups = []
-    for fixed in itertools.product(*(range(shape[i]) for i in others)):
-        members = []
-        for moving in itertools.product(*(range(shape[i]) for i in along)):
-            coords = [0] * len(AXES)
-            for i, c in (*zip(others, fixed), *zip(along, moving)):
-                coords[i] = c
-            members.append(_device(coords, shape))
-        groups.append(members)
-    return groups
-
-
-def _power_of_two(g: int) -> bool:
-    return g & (g - 1) == 0
-
-
-def _sends(kind: str, nbytes: float, group: Sequence[int]) -> Iterable[tuple[int, int, float]]:
-    """(source, target, bytes) of every message of one flat collective over `group`."""
-    g = len(group)
-    if kind == "collective-permute":  # a group is a (source, target) pair
-        yield group[0], group[-1], nbytes
-    elif kind == "all-to-all":
-        yield from ((s, t, nbytes / g) for s in group for t in group if s != t)
-    elif kind == "reduce-scatter" and _power_of_two(g):
-        for step in range(g.bit_length() - 1):
-            for i, s in enumerate(group):
-                yield s, group[i ^ (1 << step)], nbytes / 2 ** (step + 1)
-    else:  # rings: all-reduce twice around, all-gather (and reduce-scatter otherwise) once
-        per_edge = (2 if kind == "all-reduce" else 1) * (g - 1) / g * nbytes
-        yield from ((s, group[(i + 1) % g], per_edge) for i, s in enumerate(group))
-
-
-def _rounds(kind: str, g: int) -> int:
-    if kind == "collective-permute":
-        return 1
-    if kind == "reduce-scatter" and _power_of_two(g):
-        return g.bit_length() - 1
-    return (2 if kind == "all-reduce" else 1) * (g - 1)
-
-
-class LinkLoad(NamedTuple):
-    """What one flat collective puts on the links (`link_load`)."""
-
-    cross_host: float  #: bytes the busiest host sends to other hosts
-    intra_host: float  #: bytes the busiest device sends to devices of its own host
-    rounds: int  #: message rounds one after another (each pays one latency)
-    crosses: bool  #: whether some message crosses hosts
-
-
-def link_load(
-    kind: str, nbytes: float, groups: Iterable[Sequence[int]], devices_per_host: int
-) -> LinkLoad:
-    """The load of one gloo collective (module docstring), all its groups running at once.
-
-    Args:
-      kind: one of `jaxspeed.cost.hlo.COLLECTIVES`.
-      nbytes: per-device bytes in the profiler's full-buffer convention.
-      groups: device ids of each group in rank order (`ordered_groups`, or parsed replica
-        groups); collective-permute: `(source, target)` pairs.
-      devices_per_host: device `d` sits on host `d // devices_per_host`.
-    """
-    if kind not in COLLECTIVES:
-        raise ValueError(f"kind: unknown collective {kind!r}; accepted kinds are {list(COLLECTIVES)}")
-    if devices_per_host < 1:
-        raise ValueError(f"devices_per_host must be >= 1, got {devices_per_host}")
-    egress: Counter = Counter()
-    inside: Counter = Counter()
-    rounds = 0
-    for group in groups:
-        if len(group) < 2 or (kind == "collective-permute" and group[0] == group[-1]):
-            continue
-        rounds = max(rounds, _rounds(kind, len(group)))
-        for source, target, b in _sends(kind, nbytes, group):
-            if source // devices_per_host != target // devices_per_host:
-                egress[source // devices_per_host] += b
-            else:
-                inside[source] += b
-    return LinkLoad(max(egress.values(), default=0.0), max(inside.values(), default=0.0),
-                    rounds, bool(egress))
-
-
-def flat_seconds(load: LinkLoad, *, devices_per_host: int, intra: LinkSpeed,
-                 inter: LinkSpeed) -> float:
-    """Seconds of a flat collective of `load`: its busiest link's bytes, plus a latency a round.
-
-    A host's network link moves `inter.bandwidth_gbps x devices_per_host` (the cluster's
-    figures are per device with every device sending); the links inside a host run at once.
-    """
-    host_bw = inter.bandwidth_gbps * 1e9 * devices_per_host
-    busiest = max(load.cross_host / host_bw, load.intra_host / (intra.bandwidth_gbps * 1e9))
-    latency = (inter if load.crosses else intra).latency_us * 1e-6
-    return busiest + load.rounds * latency
 
 
 def host_egress_bytes(

@@ -39,6 +39,7 @@ import dataclasses
 from typing import Any
 
 from jaxspeed.autoplan import comm, traffic
+from jaxspeed.autoplan.traffic import param_counts
 from jaxspeed.autoplan.space import ON_HOST, Candidate
 from jaxspeed.config import Config
 from jaxspeed.ops.precision import compute_dtype
@@ -96,19 +97,6 @@ class Estimate:
         parts = {"compute": self.compute_s, "network": self.comm_s, "host": self.host_s,
                  "bubble": self.compute_s * self.bubble / max(1e-12, 1 - self.bubble)}
         return max(parts, key=parts.get)
-
-
-def param_counts(config: Config) -> dict[str, int]:
-    """Parameters of the GPT by where they live: per layer (matmuls, norms) and outside."""
-    m = config.model
-    d, heads = m.d_model, m.n_heads
-    head_dim, kv = d // heads, m.n_kv_heads or heads
-    attention = d * heads * head_dim * 2 + 2 * d * kv * head_dim
-    mlp = (3 if m.mlp == "swiglu" else 2) * d * m.d_ff
-    if m.moe:
-        mlp *= m.moe.num_experts // m.moe.every_n_layers
-    embed = m.vocab_size * d * (1 if m.tie_embeddings else 2)
-    return {"layer_matmul": attention + mlp, "layer_norm": 2 * d, "embed": embed, "final_norm": d}
 
 
 def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | None = None,

@@ -168,6 +168,19 @@ def exchange_fractions(config: Any, optimizer: str, phase: str = "auto") -> tupl
     return (0.0, 1.0) if compressed else (1.0, 0.0)
 
 
+def param_counts(config: Any) -> dict[str, int]:
+    """Parameters of the GPT by where they live: per layer (matmuls, norms) and outside."""
+    m = config.model
+    d, heads = m.d_model, m.n_heads
+    head_dim, kv = d // heads, m.n_kv_heads or heads
+    attention = d * heads * head_dim * 2 + 2 * d * kv * head_dim
+    mlp = (3 if m.mlp == "swiglu" else 2) * d * m.d_ff
+    if m.moe:
+        mlp *= m.moe.num_experts // m.moe.every_n_layers
+    embed = m.vocab_size * d * (1 if m.tie_embeddings else 2)
+    return {"layer_matmul": attention + mlp, "layer_norm": 2 * d, "embed": embed, "final_norm": d}
+
+
 def step_transfers(
     config: Any, plan: Any, *, hosts: int = 1, optimizer: str | None = None,
     phase: str = "auto",
@@ -181,8 +194,6 @@ def step_transfers(
       optimizer: price this optimizer type instead of `config.optimizer.type`.
       phase: which phase of a 1-bit optimizer (`exchange_fractions`).
     """
-    from jaxspeed.autoplan.estimate import param_counts
-
     sizes = mesh_sizes(plan.sizes, hosts)
     m, counts = config.model, param_counts(config)
     layers = m.n_layers // sizes["pipe"]
