@@ -1,0 +1,317 @@
+"""ZeRO-3 as explicit collectives, and ZeRO++'s qwZ, hpZ and qgZ on top.
+
+Inside a `shard_map` manual over the data-parallel ZeRO axes (`host`, `data`), a parameter
+stored ZeRO-sharded on dimension `dim` is gathered with `all_gather(tiled=True)`, and the
+gradient of the local loss w.r.t. the shard is the transpose: a reduce-scatter. Both are
+written here, as one `custom_vjp` per gather, so the program says what moves on every backend
+(XLA:CPU compiles the sharding path's gradient reduction to all-reduce + slice):
+
+- forward: cast to the compute dtype, then `all_gather` (qwZ: int8 block-quantized values and
+  fp32 block scales, dequantized after; `jaxspeed.ops.quantize`);
+- backward: the cotangent in fp32, `psum_scatter` (qgZ: an `all_to_all` of block-quantized
+  int4/int8 chunks per mesh axis, major axis first, i.e. inside the host first and then across
+  hosts, each receiver dequantizing and summing in fp32). qwZ's quantization is
+  straight-through: its backward is the plain (or qgZ) reduce-scatter.
+
+hpZ splits a gather into stages: over `host` alone first (once per step: a secondary copy
+sharded within the host, ZeRO's dimension being split data-major), then over the intra-host
+axes (per layer, in the forward pass and again in the recomputed backward pass). The chain's
+transpose is the hierarchical reduce-scatter: inside the host, then across hosts.
+
+`zero_traffic` prices all this per step, split into intra-host and cross-host bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspeed.ops import quantize as qz
+from jaxspeed.runtime.mesh import DATA, HOST
+
+#: The axes the explicit ZeRO-3 step is manual over (the batch's rows are split over them).
+MANUAL_AXES: tuple[str, ...] = (HOST, DATA)
+
+
+class Switches(NamedTuple):
+    """ZeRO++'s switches, as the collectives use them.
+
+    Attributes:
+      quantized_weights: qwZ: weight all-gathers move int8 block-quantized values.
+      gradient_bits: qgZ: gradients reduce-scatter as `all_to_all`s of block-quantized values
+        of this many bits (4 or 8); None: a full-precision (fp32) `psum_scatter`.
+      hpz: hpZ: gather over `host` once per step, then within the host per use.
+      block: elements per quantization scale.
+    """
+
+    quantized_weights: bool = False
+    gradient_bits: int | None = None
+    hpz: bool = False
+    block: int = qz.BLOCK
+
+
+class LeafGather(NamedTuple):
+    """How one stored leaf is gathered: the dimension ZeRO split, over which manual axes.
+
+    `axes` are in the spec's order (major first: `data` before `host`, see `ZERO_AXES`).
+    """
+
+    dim: int
+    axes: tuple[str, ...]
+
+    def stages(self, hpz: bool) -> tuple[tuple[str, ...], ...]:
+        """The gathers, in order: with hpZ `host` alone first, then the rest; else one."""
+        if hpz and HOST in self.axes and len(self.axes) > 1:
+            return (HOST,), tuple(a for a in self.axes if a != HOST)
+        return (self.axes,)
+
+    def sliced(self) -> LeafGather:
+        """The same gather for one slice of a scanned stack (the leading `layers` dim gone)."""
+        return self._replace(dim=self.dim - 1)
+
+
+def leaf_gather(spec, manual: tuple[str, ...] = MANUAL_AXES) -> LeafGather | None:
+    """The `LeafGather` of a stored leaf's `PartitionSpec` (None: not split over `manual`)."""
+    for dim, entry in enumerate(spec):
+        named = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        axes = tuple(a for a in named if a in manual)
+        if axes:
+            return LeafGather(dim, axes)
+    return None
+
+
+class _Gather(NamedTuple):  # static (hashable) arguments of `gather_stage`
+    axes: tuple[str, ...]
+    dim: int
+    dtype: Any
+    in_dtype: Any
+    switches: Switches
+
+
+def _concat_peers(y: jax.Array, dim: int) -> jax.Array:
+    """`[peers, *shard]` → the shards concatenated along `dim` (peer-major)."""
+    y = jnp.moveaxis(y, 0, dim)
+    shape = list(y.shape)
+    shape[dim : dim + 2] = [shape[dim] * shape[dim + 1]]
+    return y.reshape(shape)
+
+
+def all_gather(x: jax.Array, axes: tuple[str, ...], dim: int, *, dtype, quantized: bool = False,
+               block: int = qz.BLOCK) -> jax.Array:
+    """`x` (this device's shard) in `dtype`, gathered over `axes` along `dim` (tiled).
+
+    With `quantized`, the shard moves as int8 block-quantized values plus fp32 scales and is
+    dequantized to `dtype` after the gather (qwZ).
+    """
+    if not quantized:
+        x = x.astype(dtype)
+        if x.dtype.itemsize != 2:
+            return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+        # 16-bit floats move as their bits: XLA:CPU would otherwise hoist the consumer's
+        # widening convert above the gather and move fp32.
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
+        gathered = jax.lax.all_gather(bits, axes, axis=dim, tiled=True)
+        return jax.lax.bitcast_convert_type(gathered, x.dtype)
+    q = qz.quantize(x, bits=8, block=block)
+    gathered = qz.Quantized(*(jax.lax.all_gather(a, axes, axis=0) for a in q))
+    return _concat_peers(qz.dequantize(gathered, x.shape, dtype, bits=8), dim)
+
+
+def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, *, bits: int | None = None,
+                   block: int = qz.BLOCK) -> jax.Array:
+    """The fp32 sum of `g` over `axes`, this device's block of `dim` kept (`psum_scatter`).
+
+    With `bits` (qgZ), one `all_to_all` per axis, major first: `g` is split into one chunk
+    per peer along `dim`, each chunk block-quantized to `bits` and sent to its peer, which
+    dequantizes what it receives and sums it in fp32; the next axis works on that sum.
+    """
+    g = g.astype(jnp.float32)
+    if bits is None:
+        return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+    for axis in axes:
+        g = _quantized_reduce_scatter(g, axis, dim, bits, block)
+    return g
+
+
+def _quantized_reduce_scatter(g, axis: str, dim: int, bits: int, block: int):
+    peers = jax.lax.axis_size(axis)
+    y = jnp.moveaxis(g, dim, 0)
+    chunks = y.reshape(peers, y.shape[0] // peers, *y.shape[1:])
+    q = jax.vmap(functools.partial(qz.quantize, bits=bits, block=block))(chunks)
+    received = qz.Quantized(*(
+        jax.lax.all_to_all(a, axis, split_axis=0, concat_axis=0, tiled=True) for a in q))
+    summed = qz.dequantize(received, chunks.shape[1:], jnp.float32, bits=bits).sum(axis=0)
+    return jnp.moveaxis(summed, 0, dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_stage(x, op: _Gather):
+    return all_gather(x, op.axes, op.dim, dtype=op.dtype,
+                      quantized=op.switches.quantized_weights, block=op.switches.block)
+
+
+def _gather_fwd(x, op: _Gather):
+    return _gather_stage(x, op), None
+
+
+def _gather_bwd(op: _Gather, _, cotangent):
+    s = op.switches
+    summed = reduce_scatter(cotangent, op.axes, op.dim, bits=s.gradient_bits, block=s.block)
+    return (summed.astype(op.in_dtype),)
+
+
+_gather_stage.defvjp(_gather_fwd, _gather_bwd)
+
+
+def gather_stage(x: jax.Array, axes: tuple[str, ...], dim: int, *, dtype,
+                 switches: Switches = Switches()) -> jax.Array:
+    """One ZeRO gather of `x` over `axes` (inside `shard_map` manual over them), in `dtype`.
+
+    Its transpose is `reduce_scatter` in fp32 (qgZ: quantized), cast to `x`'s dtype.
+    """
+    return _gather_stage(x, _Gather(tuple(axes), dim, jnp.dtype(dtype), x.dtype, switches))
+
+
+def gather_leaf(x: jax.Array, leaf: LeafGather | None, *, dtype, switches: Switches,
+                stages: slice = slice(None)) -> jax.Array:
+    """`x` cast to `dtype` and run through `leaf`'s gather stages (`stages` selects some)."""
+    if leaf is None:
+        return x.astype(dtype)
+    for axes in leaf.stages(switches.hpz)[stages]:
+        x = gather_stage(x, axes, leaf.dim, dtype=dtype, switches=switches)
+    return x.astype(dtype)
+
+
+def gather_tree(tree, leaves: Mapping[str, LeafGather | None], *, dtype, switches: Switches,
+                stages: slice = slice(None), prefix: str = ""):
+    """`gather_leaf` on every leaf of `tree`, found in `leaves` by its '/'-joined path.
+
+    Non-floating leaves pass through unchanged.
+    """
+    from jaxspeed.sharding.planner import path_str
+
+    def one(path, x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        leaf = leaves[prefix + path_str(path)]
+        return gather_leaf(x, leaf, dtype=dtype, switches=switches, stages=stages)
+
+    return jax.tree.map_with_path(one, tree)
+
+
+# -- cost --------------------------------------------------------------------------------
+
+
+class Traffic(NamedTuple):
+    """Bytes one device sends per step, by where they go.
+
+    Attributes:
+      intra_host: over links inside its host.
+      cross_host: over the network between hosts.
+      by_collective: `{name: (intra_host, cross_host)}` for `forward_gather`,
+        `backward_gather` (the recomputation's gathers; 0 without per-layer gathering or
+        without remat), `secondary_gather` (hpZ's once-per-step gather over `host`) and
+        `reduce_scatter`.
+    """
+
+    intra_host: int
+    cross_host: int
+    by_collective: dict[str, tuple[int, int]]
+
+
+def _gather_bytes(size: int, peers: int, dtype_bytes: int, quantized: bool, block: int) -> int:
+    """Bytes one device sends in a ring all-gather of a `size`-element shard to `peers`."""
+    shard = qz.quantized_bytes(size, bits=8, block=block) if quantized else size * dtype_bytes
+    return (peers - 1) * shard
+
+
+def _scatter_bytes(size: int, peers: int, bits: int | None, block: int) -> int:
+    """Bytes one device sends reduce-scattering `size` elements over `peers` (fp32 ring, or
+    one all-to-all of quantized chunks)."""
+    chunk = size // peers
+    per = qz.quantized_bytes(chunk, bits=bits, block=block) if bits else 4 * chunk
+    return (peers - 1) * per
+
+
+def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, LeafGather | None],
+                 mesh_shape: Mapping[str, int], *, switches: Switches = Switches(),
+                 compute_bytes: int = 2, layered: Mapping[str, bool] | None = None,
+                 recompute: bool = False, accumulation: int = 1) -> Traffic:
+    """Bytes each ZeRO-3 collective moves per device and per step, intra- and cross-host.
+
+    Pure arithmetic over the leaves' full shapes and their `LeafGather`s (ring collectives:
+    a device sends `(peers - 1)` shards; qgZ's all-to-all sends `(peers - 1)` quantized
+    chunks). Every leaf is gathered for each microbatch's forward pass and its gradient
+    reduce-scattered once per microbatch; `layered` leaves (a scanned stack gathered layer by
+    layer) are gathered again by the backward pass's recomputation when `recompute`; hpZ's
+    `host` gather runs once per step for them.
+
+    Args:
+      shapes: leaf path → full (global) shape.
+      gathers: leaf path → its `LeafGather` (None: not ZeRO-sharded, nothing moves).
+      mesh_shape: mesh axis → size.
+      switches: ZeRO++'s switches.
+      compute_bytes: bytes of the compute dtype the weights are gathered in.
+      layered: leaf path → True where gathered per layer (default: none).
+      recompute: whether remat recomputes the layers (a second gather per layer).
+      accumulation: microbatches per step.
+
+    Returns:
+      `Traffic`.
+    """
+    totals = {name: [0, 0] for name in (
+        "forward_gather", "backward_gather", "secondary_gather", "reduce_scatter")}
+    layered = layered or {}
+
+    def add(name: str, axes, nbytes: int) -> None:
+        totals[name][1 if HOST in axes else 0] += nbytes
+
+    for path, leaf in gathers.items():
+        if leaf is None:
+            continue
+        size = math.prod(shapes[path])
+        shard = size // math.prod(mesh_shape[a] for a in leaf.axes)
+        per_layer = bool(layered.get(path))
+        stages = leaf.stages(switches.hpz)
+        for i, axes in enumerate(stages):
+            peers = math.prod(mesh_shape[a] for a in axes)
+            nbytes = _gather_bytes(shard, peers, compute_bytes, switches.quantized_weights,
+                                   switches.block)
+            once = per_layer and switches.hpz and len(stages) > 1 and i == 0
+            if once:  # hpZ's secondary copy: once per step
+                add("secondary_gather", axes, nbytes)
+            else:
+                add("forward_gather", axes, nbytes * accumulation)
+                if per_layer and recompute:
+                    add("backward_gather", axes, nbytes * accumulation)
+            shard *= peers
+        # the reduce-scatter: one stage per axis (qgZ) or one collective over the stage's axes
+        remaining = size
+        for axes in reversed(stages):
+            groups = [(a,) for a in axes] if switches.gradient_bits else [axes]
+            for group in groups:
+                peers = math.prod(mesh_shape[a] for a in group)
+                add("reduce_scatter", group,
+                    _scatter_bytes(remaining, peers, switches.gradient_bits, switches.block)
+                    * accumulation)
+                remaining //= peers
+    by = {name: (intra, cross) for name, (intra, cross) in totals.items()}
+    return Traffic(
+        intra_host=sum(v[0] for v in by.values()),
+        cross_host=sum(v[1] for v in by.values()),
+        by_collective=by,
+    )
+
+
+def shapes_of(abstract_params) -> dict[str, tuple[int, ...]]:
+    """Leaf path → shape, for `zero_traffic`."""
+    from jaxspeed.sharding.planner import path_str
+
+    flat = jax.tree.flatten_with_path(abstract_params)[0]
+    return {path_str(p): tuple(np.shape(x)) for p, x in flat}
