@@ -43,6 +43,7 @@ from jaxspeed.ops import matmul
 from jaxspeed.ops import offload
 from jaxspeed.ops.losses import AUX_LOSS
 from jaxspeed.ops.remat import checkpoint_policy
+from jaxspeed.sharding.zero_collectives import ZERO_GATHERED
 
 Array = jax.Array
 Dtype = Any
@@ -105,6 +106,11 @@ class GPT(nn.Module):
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
     stream_layers: Dtype | None = None
+    #: ZeRO-3 with explicit collectives (`jaxspeed.train.zero_step`): `(variables) ->
+    #: variables` applied to each scanned unit's ZeRO-sharded params inside the step's
+    #: `shard_map`, gathering them; its outputs are tagged `ZERO_GATHERED` and never saved for
+    #: the backward pass, which gathers them again (as DeepSpeed's ZeRO-3 does).
+    gather_layers: Any = None
     #: autoregressive decoding with a key/value cache of `max_seq_len` positions (the
     #: `cache` collection; see `jaxspeed.models.sampling`)
     decode: bool = False
@@ -162,10 +168,17 @@ class GPT(nn.Module):
             unit_cls = nn.map_variables(
                 unit_cls, "params", trans_in_fn=fetch, init=False, mutable=True
             )
-        if self.remat_policy != "none":
+        if self.gather_layers is not None:  # inside remat: the recomputation gathers again
+            unit_cls = nn.map_variables(
+                unit_cls, "params", trans_in_fn=self.gather_layers, init=False, mutable=True
+            )
+        if self.remat_policy != "none":  # no policy saves the gathers' outputs
             policy = checkpoint_policy(
                 self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES
             )
+            unit_cls = nn.remat(unit_cls, policy=policy, prevent_cse=False, static_argnums=(2,))
+        elif self.gather_layers is not None:
+            policy = jax.checkpoint_policies.save_anything_except_these_names(ZERO_GATHERED)
             unit_cls = nn.remat(unit_cls, policy=policy, prevent_cse=False, static_argnums=(2,))
         scanned = nn.scan(
             unit_cls,

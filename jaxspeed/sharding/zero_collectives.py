@@ -37,6 +37,9 @@ from jaxspeed.runtime.mesh import DATA, HOST
 
 #: The axes the explicit ZeRO-3 step is manual over (the batch's rows are split over them).
 MANUAL_AXES: tuple[str, ...] = (HOST, DATA)
+#: `checkpoint_name` of a layer's gathered params: remat policies never save them, so the
+#: backward pass gathers them again.
+ZERO_GATHERED = "zero_gathered"
 
 
 class Switches(NamedTuple):
@@ -178,29 +181,46 @@ def gather_stage(x: jax.Array, axes: tuple[str, ...], dim: int, *, dtype,
     return _gather_stage(x, _Gather(tuple(axes), dim, jnp.dtype(dtype), x.dtype, switches))
 
 
+#: Which of a leaf's gather stages `gather_leaf` runs: all of them; hpZ's `host` stage alone
+#: (the once-per-step secondary copy); or the others (each use).
+PARTS = ("all", "secondary", "use")
+
+
+def _part(stages, part: str, hpz: bool):
+    secondary = tuple(s for s in stages if hpz and s == (HOST,))
+    if part == "secondary":
+        return secondary
+    if part == "use":
+        return tuple(s for s in stages if s not in secondary)
+    return stages
+
+
 def gather_leaf(x: jax.Array, leaf: LeafGather | None, *, dtype, switches: Switches,
-                stages: slice = slice(None)) -> jax.Array:
-    """`x` cast to `dtype` and run through `leaf`'s gather stages (`stages` selects some)."""
-    if leaf is None:
-        return x.astype(dtype)
-    for axes in leaf.stages(switches.hpz)[stages]:
+                part: str = "all", name: str | None = None) -> jax.Array:
+    """`x` through `leaf`'s gather stages (`part` of `PARTS`), the last one's output in `dtype`.
+
+    A leaf with no stage to run is returned as it is (cast only by `part="all"` or `"use"`,
+    which hand the model its compute params). `name` tags the result (`checkpoint_name`).
+    """
+    stages = _part(leaf.stages(switches.hpz) if leaf else (), part, switches.hpz)
+    for axes in stages:
         x = gather_stage(x, axes, leaf.dim, dtype=dtype, switches=switches)
-    return x.astype(dtype)
+    if part != "secondary":
+        x = x.astype(dtype)
+    return x if name is None else jax.ad_checkpoint.checkpoint_name(x, name)
 
 
 def gather_tree(tree, leaves: Mapping[str, LeafGather | None], *, dtype, switches: Switches,
-                stages: slice = slice(None), prefix: str = ""):
-    """`gather_leaf` on every leaf of `tree`, found in `leaves` by its '/'-joined path.
-
-    Non-floating leaves pass through unchanged.
-    """
+                part: str = "all", name: str | None = None):
+    """`gather_leaf` on every floating leaf of `tree`, found in `leaves` by its '/'-joined
+    path; other leaves pass through unchanged."""
     from jaxspeed.sharding.planner import path_str
 
     def one(path, x):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             return x
-        leaf = leaves[prefix + path_str(path)]
-        return gather_leaf(x, leaf, dtype=dtype, switches=switches, stages=stages)
+        leaf = leaves[path_str(path)]
+        return gather_leaf(x, leaf, dtype=dtype, switches=switches, part=part, name=name)
 
     return jax.tree.map_with_path(one, tree)
 
