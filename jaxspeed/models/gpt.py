@@ -43,7 +43,6 @@ from jaxspeed.ops import matmul
 from jaxspeed.ops import offload
 from jaxspeed.ops.losses import AUX_LOSS
 from jaxspeed.ops.remat import checkpoint_policy
-from jaxspeed.sharding.zero_collectives import ZERO_GATHERED
 
 Array = jax.Array
 Dtype = Any
@@ -108,8 +107,9 @@ class GPT(nn.Module):
     stream_layers: Dtype | None = None
     #: ZeRO-3 with explicit collectives (`jaxspeed.train.zero_step`): `(variables) ->
     #: variables` applied to each scanned unit's ZeRO-sharded params inside the step's
-    #: `shard_map`, gathering them; its outputs are tagged `ZERO_GATHERED` and never saved for
-    #: the backward pass, which gathers them again (as DeepSpeed's ZeRO-3 does).
+    #: `shard_map`, gathering them. Under remat (any `remat_policy` but "none") the backward
+    #: pass gathers them again, as DeepSpeed's ZeRO-3 does: no policy saves them (they are
+    #: tagged `ZERO_GATHERED`); without remat they are saved for it, as every residual is.
     gather_layers: Any = None
     #: autoregressive decoding with a key/value cache of `max_seq_len` positions (the
     #: `cache` collection; see `jaxspeed.models.sampling`)
@@ -176,9 +176,6 @@ class GPT(nn.Module):
             policy = checkpoint_policy(
                 self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES
             )
-            unit_cls = nn.remat(unit_cls, policy=policy, prevent_cse=False, static_argnums=(2,))
-        elif self.gather_layers is not None:
-            policy = jax.checkpoint_policies.save_anything_except_these_names(ZERO_GATHERED)
             unit_cls = nn.remat(unit_cls, policy=policy, prevent_cse=False, static_argnums=(2,))
         scanned = nn.scan(
             unit_cls,

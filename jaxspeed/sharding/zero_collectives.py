@@ -30,7 +30,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspeed.ops import quantize as qz
 from jaxspeed.runtime.mesh import DATA, HOST
@@ -105,6 +104,12 @@ def _concat_peers(y: jax.Array, dim: int) -> jax.Array:
     return y.reshape(shape)
 
 
+def worth_quantizing(size: int, bits: int, block: int, itemsize: int) -> bool:
+    """Whether `size` elements move in fewer bytes block-quantized than as `itemsize`-byte
+    values (a shard smaller than a block would move its padding): else they move as they are."""
+    return qz.quantized_bytes(size, bits=bits, block=block) < size * itemsize
+
+
 def all_gather(x: jax.Array, axes: tuple[str, ...], dim: int, *, dtype, quantized: bool = False,
                block: int = qz.BLOCK) -> jax.Array:
     """`x` (this device's shard) in `dtype`, gathered over `axes` along `dim` (tiled).
@@ -112,7 +117,7 @@ def all_gather(x: jax.Array, axes: tuple[str, ...], dim: int, *, dtype, quantize
     With `quantized`, the shard moves as int8 block-quantized values plus fp32 scales and is
     dequantized to `dtype` after the gather (qwZ).
     """
-    if not quantized:
+    if not quantized or not worth_quantizing(x.size, 8, block, jnp.dtype(dtype).itemsize):
         x = x.astype(dtype)
         if x.dtype.itemsize != 2:
             return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
@@ -144,6 +149,8 @@ def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, *, bits: int |
 
 def _quantized_reduce_scatter(g, axis: str, dim: int, bits: int, block: int):
     peers = jax.lax.axis_size(axis)
+    if not worth_quantizing(g.size // peers, bits, block, 4):
+        return jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
     y = jnp.moveaxis(g, dim, 0)
     chunks = y.reshape(peers, y.shape[0] // peers, *y.shape[1:])
     q = jax.vmap(functools.partial(qz.quantize, bits=bits, block=block))(chunks)
@@ -247,16 +254,18 @@ class Traffic(NamedTuple):
 
 def _gather_bytes(size: int, peers: int, dtype_bytes: int, quantized: bool, block: int) -> int:
     """Bytes one device sends in a ring all-gather of a `size`-element shard to `peers`."""
-    shard = qz.quantized_bytes(size, bits=8, block=block) if quantized else size * dtype_bytes
-    return (peers - 1) * shard
+    if quantized and worth_quantizing(size, 8, block, dtype_bytes):
+        return (peers - 1) * qz.quantized_bytes(size, bits=8, block=block)
+    return (peers - 1) * size * dtype_bytes
 
 
 def _scatter_bytes(size: int, peers: int, bits: int | None, block: int) -> int:
     """Bytes one device sends reduce-scattering `size` elements over `peers` (fp32 ring, or
     one all-to-all of quantized chunks)."""
     chunk = size // peers
-    per = qz.quantized_bytes(chunk, bits=bits, block=block) if bits else 4 * chunk
-    return (peers - 1) * per
+    if bits and worth_quantizing(chunk, bits, block, 4):
+        return (peers - 1) * qz.quantized_bytes(chunk, bits=bits, block=block)
+    return (peers - 1) * 4 * chunk
 
 
 def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, LeafGather | None],
@@ -265,21 +274,24 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
                  recompute: bool = False, accumulation: int = 1) -> Traffic:
     """Bytes each ZeRO-3 collective moves per device and per step, intra- and cross-host.
 
-    Pure arithmetic over the leaves' full shapes and their `LeafGather`s (ring collectives:
-    a device sends `(peers - 1)` shards; qgZ's all-to-all sends `(peers - 1)` quantized
-    chunks). Every leaf is gathered for each microbatch's forward pass and its gradient
-    reduce-scattered once per microbatch; `layered` leaves (a scanned stack gathered layer by
-    layer) are gathered again by the backward pass's recomputation when `recompute`; hpZ's
-    `host` gather runs once per step for them.
+    Pure arithmetic over the leaves' full shapes and their `LeafGather`s, as
+    `jaxspeed.train.zero_step` runs them. A ring collective over `peers` devices sends
+    `(peers - 1)` shards (all-gather) or chunks (reduce-scatter, fp32); qgZ's all-to-all sends
+    `(peers - 1)` quantized chunks per axis; shards too small to gain from quantizing move as
+    they are (`worth_quantizing`). A collective counts as cross-host when its group spans
+    hosts (it has the `host` axis). Per step: a leaf that is not `layered` is gathered once;
+    a `layered` one (a scanned stack the model gathers layer by layer) once per microbatch,
+    and again by the backward pass when `recompute` (activation checkpointing); hpZ's `host`
+    stage of it once; every gradient is reduce-scattered once per microbatch.
 
     Args:
       shapes: leaf path → full (global) shape.
       gathers: leaf path → its `LeafGather` (None: not ZeRO-sharded, nothing moves).
       mesh_shape: mesh axis → size.
       switches: ZeRO++'s switches.
-      compute_bytes: bytes of the compute dtype the weights are gathered in.
+      compute_bytes: bytes per element of the compute dtype the weights are gathered in.
       layered: leaf path → True where gathered per layer (default: none).
-      recompute: whether remat recomputes the layers (a second gather per layer).
+      recompute: whether the backward pass recomputes (and so gathers) the layers.
       accumulation: microbatches per step.
 
     Returns:
@@ -299,20 +311,21 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
         shard = size // math.prod(mesh_shape[a] for a in leaf.axes)
         per_layer = bool(layered.get(path))
         stages = leaf.stages(switches.hpz)
-        for i, axes in enumerate(stages):
+        secondary = _part(stages, "secondary", switches.hpz) if per_layer else ()
+        for axes in stages:
             peers = math.prod(mesh_shape[a] for a in axes)
             nbytes = _gather_bytes(shard, peers, compute_bytes, switches.quantized_weights,
                                    switches.block)
-            once = per_layer and switches.hpz and len(stages) > 1 and i == 0
-            if once:  # hpZ's secondary copy: once per step
+            if axes in secondary:
                 add("secondary_gather", axes, nbytes)
-            else:
+            elif per_layer:
                 add("forward_gather", axes, nbytes * accumulation)
-                if per_layer and recompute:
+                if recompute:
                     add("backward_gather", axes, nbytes * accumulation)
+            else:
+                add("forward_gather", axes, nbytes)
             shard *= peers
-        # the reduce-scatter: one stage per axis (qgZ) or one collective over the stage's axes
-        remaining = size
+        remaining = size  # the reduce-scatters, innermost gather's first
         for axes in reversed(stages):
             groups = [(a,) for a in axes] if switches.gradient_bits else [axes]
             for group in groups:
@@ -329,9 +342,28 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
     )
 
 
-def shapes_of(abstract_params) -> dict[str, tuple[int, ...]]:
-    """Leaf path → shape, for `zero_traffic`."""
-    from jaxspeed.sharding.planner import path_str
+def plan_traffic(plan, *, switches: Switches = Switches(), compute_bytes: int = 2,
+                 per_layer: bool = True, recompute: bool = False,
+                 accumulation: int = 1) -> Traffic:
+    """`zero_traffic` of a stage-3 `jaxspeed.sharding.Plan`.
 
-    flat = jax.tree.flatten_with_path(abstract_params)[0]
-    return {path_str(p): tuple(np.shape(x)) for p, x in flat}
+    Args:
+      plan: the plan (its leaves' param specs give the `LeafGather`s).
+      switches: ZeRO++'s switches (`jaxspeed.train.zero_step.switches_of(config section)`).
+      compute_bytes: bytes per element of the compute dtype (2 for bf16/fp16, 4 for fp32).
+      per_layer: whether the scanned stack (`layers/...` leaves) is gathered layer by layer
+        (the reference GPT over `max_live_parameters`); else every leaf once per step.
+      recompute: activation checkpointing on (the backward pass gathers each layer again).
+      accumulation: microbatches per step.
+    """
+    from jaxspeed.sharding.leaves import flatten_leaf_plans
+
+    leaves = {leaf.path: leaf for _, leaf in flatten_leaf_plans(plan.leaves)}
+    return zero_traffic(
+        {path: leaf.shape for path, leaf in leaves.items()},
+        {path: leaf_gather(leaf.param) for path, leaf in leaves.items()},
+        dict(plan.mesh.shape), switches=switches, compute_bytes=compute_bytes,
+        layered={path: per_layer and (leaf.logical or ())[:1] == ("layers",)
+                 for path, leaf in leaves.items()},
+        recompute=recompute, accumulation=accumulation,
+    )

@@ -230,7 +230,7 @@ def explicit_zero(config, mesh: Mesh, plan: Plan, model, *, compute_dtype,
 
     per_layer = (isinstance(model, GPT) and model.stream_layers is None
                  and param_count > zero.max_live_parameters)
-    layered = _leaves(plan, lambda leaf: per_layer and leaf.logical[:1] == ("layers",))
+    layered = _leaves(plan, lambda leaf: per_layer and (leaf.logical or ())[:1] == ("layers",))
     step = ZeroStep(mesh=mesh, rules=_local_rules(plan.rules, zc.MANUAL_AXES), gathers=gathers,
                     layered=layered, switches=switches, compute_dtype=compute_dtype)
     if not per_layer:
