@@ -31,11 +31,11 @@ from numerics import assert_adam_params_close
 Z = "zero_optimization."
 HOSTS2 = ["mesh.data=8", "mesh.hosts=2", Z + "stage=3", Z + "max_live_parameters=0"]
 #: Stage 3 on one host against the single-device reference is in `test_engine`; here: two
-#: hosts with remat, and tensor parallelism with gradient accumulation.
+#: hosts with remat, and gradient accumulation.
 CASES = {
     "hosts2/layer/remat": [*HOSTS2, "activation_checkpointing.policy=full"],
-    "tensor2/layer/accum2": ["mesh.data=4", "mesh.tensor=2", Z + "stage=3",
-                             Z + "max_live_parameters=0", "gradient_accumulation_steps=2"],
+    "data8/layer/accum2": ["mesh.data=8", Z + "stage=3", Z + "max_live_parameters=0",
+                           "gradient_accumulation_steps=2"],
 }
 
 
@@ -185,11 +185,18 @@ def test_plan_traffic_is_what_the_zero3_step_moves(overrides, per_layer):
       Z + "zero_quantized_weights=true"], r"zero_quantized_weights .* mesh.pipe=2"),
     ([Z + "stage=3", Z + "offload_param.device=cpu", Z + "collectives=explicit"],
      r"collectives=explicit .* offload_param"),
+    (["mesh.data=4", "mesh.tensor=2", Z + "stage=3", Z + "zero_quantized_gradients=true"],
+     r"zero_quantized_gradients .* mesh.tensor=2"),
 ])
 def test_unsupported_combinations_are_refused_in_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match) as info:
         js.initialize(tiny_config(*overrides))
     assert "\n" not in str(info.value)
+
+
+def test_auto_keeps_the_sharding_path_where_explicit_is_unsupported():
+    engine = js.initialize(tiny_config("mesh.data=4", "mesh.tensor=2", Z + "stage=3"))
+    assert engine.explicit_zero is None
 
 
 @pytest.mark.parametrize("zero", [

@@ -43,6 +43,7 @@ from jaxspeed.ops import matmul
 from jaxspeed.ops import offload
 from jaxspeed.ops.losses import AUX_LOSS
 from jaxspeed.ops.remat import checkpoint_policy
+from jaxspeed.sharding.zero_collectives import not_gathered
 
 Array = jax.Array
 Dtype = Any
@@ -107,9 +108,9 @@ class GPT(nn.Module):
     stream_layers: Dtype | None = None
     #: ZeRO-3 with explicit collectives (`jaxspeed.train.zero_step`): `(variables) ->
     #: variables` applied to each scanned unit's ZeRO-sharded params inside the step's
-    #: `shard_map`, gathering them. Under remat (any `remat_policy` but "none") the backward
-    #: pass gathers them again, as DeepSpeed's ZeRO-3 does: no policy saves them (they are
-    #: tagged `ZERO_GATHERED`); without remat they are saved for it, as every residual is.
+    #: `shard_map`, gathering them. The backward pass gathers them again, as DeepSpeed's
+    #: ZeRO-3 does: no `remat_policy` saves them, and with "none" every other value is saved
+    #: (`zero_collectives.not_gathered`).
     gather_layers: Any = None
     #: autoregressive decoding with a key/value cache of `max_seq_len` positions (the
     #: `cache` collection; see `jaxspeed.models.sampling`)
@@ -177,6 +178,9 @@ class GPT(nn.Module):
                 self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES
             )
             unit_cls = nn.remat(unit_cls, policy=policy, prevent_cse=False, static_argnums=(2,))
+        elif self.gather_layers is not None:  # save all but the gathers: gather again
+            unit_cls = nn.remat(unit_cls, policy=not_gathered, prevent_cse=False,
+                                static_argnums=(2,))
         scanned = nn.scan(
             unit_cls,
             variable_axes={"params": 0, AUX_LOSS: 0, MOE_METRICS: 0, "cache": 0},

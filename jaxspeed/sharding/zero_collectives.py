@@ -36,9 +36,6 @@ from jaxspeed.runtime.mesh import DATA, HOST
 
 #: The axes the explicit ZeRO-3 step is manual over (the batch's rows are split over them).
 MANUAL_AXES: tuple[str, ...] = (HOST, DATA)
-#: `checkpoint_name` of a layer's gathered params: remat policies never save them, so the
-#: backward pass gathers them again.
-ZERO_GATHERED = "zero_gathered"
 
 
 class Switches(NamedTuple):
@@ -203,22 +200,34 @@ def _part(stages, part: str, hpz: bool):
 
 
 def gather_leaf(x: jax.Array, leaf: LeafGather | None, *, dtype, switches: Switches,
-                part: str = "all", name: str | None = None) -> jax.Array:
+                part: str = "all") -> jax.Array:
     """`x` through `leaf`'s gather stages (`part` of `PARTS`), the last one's output in `dtype`.
 
     A leaf with no stage to run is returned as it is (cast only by `part="all"` or `"use"`,
-    which hand the model its compute params). `name` tags the result (`checkpoint_name`).
+    which hand the model its compute params).
     """
     stages = _part(leaf.stages(switches.hpz) if leaf else (), part, switches.hpz)
     for axes in stages:
         x = gather_stage(x, axes, leaf.dim, dtype=dtype, switches=switches)
     if part != "secondary":
         x = x.astype(dtype)
-    return x if name is None else jax.ad_checkpoint.checkpoint_name(x, name)
+    return x
+
+
+def not_gathered(prim, *_, **params) -> bool:
+    """A remat policy: every value is saved for the backward pass but what a ZeRO gather
+    produced, so the backward pass gathers it again (DeepSpeed's ZeRO-3 releases a layer's
+    params after its forward pass). A gather is a `custom_vjp` whose primal holds an
+    `all_gather` (its `call_jaxpr`, as jax 0.11 and 0.12 name it)."""
+    if prim.name != "custom_vjp_call":
+        return True
+    jaxpr = params.get("call_jaxpr")
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return not any(eqn.primitive.name == "all_gather" for eqn in getattr(jaxpr, "eqns", ()))
 
 
 def gather_tree(tree, leaves: Mapping[str, LeafGather | None], *, dtype, switches: Switches,
-                part: str = "all", name: str | None = None):
+                part: str = "all"):
     """`gather_leaf` on every floating leaf of `tree`, found in `leaves` by its '/'-joined
     path; other leaves pass through unchanged."""
     from jaxspeed.sharding.planner import path_str
@@ -227,7 +236,7 @@ def gather_tree(tree, leaves: Mapping[str, LeafGather | None], *, dtype, switche
         if not jnp.issubdtype(x.dtype, jnp.floating):
             return x
         leaf = leaves[path_str(path)]
-        return gather_leaf(x, leaf, dtype=dtype, switches=switches, part=part, name=name)
+        return gather_leaf(x, leaf, dtype=dtype, switches=switches, part=part)
 
     return jax.tree.map_with_path(one, tree)
 
@@ -281,7 +290,8 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
     they are (`worth_quantizing`). A collective counts as cross-host when its group spans
     hosts (it has the `host` axis). Per step: a leaf that is not `layered` is gathered once;
     a `layered` one (a scanned stack the model gathers layer by layer) once per microbatch,
-    and again by the backward pass when `recompute` (activation checkpointing); hpZ's `host`
+    and again by the backward pass: each layer's matrices always, its vectors (norm scales,
+    biases, saved in their broadcast form without remat) only when `recompute`; hpZ's `host`
     stage of it once; every gradient is reduce-scattered once per microbatch.
 
     Args:
@@ -291,7 +301,8 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
       switches: ZeRO++'s switches.
       compute_bytes: bytes per element of the compute dtype the weights are gathered in.
       layered: leaf path → True where gathered per layer (default: none).
-      recompute: whether the backward pass recomputes (and so gathers) the layers.
+      recompute: whether activation checkpointing recomputes the layers (any policy but
+        "none"), so the backward pass gathers their vectors again too.
       accumulation: microbatches per step.
 
     Returns:
@@ -320,7 +331,7 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
                 add("secondary_gather", axes, nbytes)
             elif per_layer:
                 add("forward_gather", axes, nbytes * accumulation)
-                if recompute:
+                if recompute or len(shapes[path]) > 2:  # a matrix of each layer
                     add("backward_gather", axes, nbytes * accumulation)
             else:
                 add("forward_gather", axes, nbytes)
@@ -353,7 +364,7 @@ def plan_traffic(plan, *, switches: Switches = Switches(), compute_bytes: int = 
       compute_bytes: bytes per element of the compute dtype (2 for bf16/fp16, 4 for fp32).
       per_layer: whether the scanned stack (`layers/...` leaves) is gathered layer by layer
         (the reference GPT over `max_live_parameters`); else every leaf once per step.
-      recompute: activation checkpointing on (the backward pass gathers each layer again).
+      recompute: activation checkpointing on (`activation_checkpointing.policy` not "none").
       accumulation: microbatches per step.
     """
     from jaxspeed.sharding.leaves import flatten_leaf_plans

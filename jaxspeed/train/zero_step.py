@@ -1,7 +1,7 @@
 """ZeRO-3's loss and gradients with explicit collectives: a `shard_map` over `host` and `data`.
 
 Inside the map each data-parallel worker holds its rows and its ZeRO shard of every param
-(the other mesh axes, e.g. `tensor`, stay automatic). The loss is differentiated w.r.t. the
+(every other mesh axis has size 1: see `_unsupported`). The loss is differentiated w.r.t. the
 shards; the gathers (`jaxspeed.sharding.zero_collectives`) run where the params are used, and
 their transposes reduce-scatter the gradients, so each worker ends with the gradient of its
 own shard, summed over workers in fp32, and the update runs on shards as with the sharding
@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE
+from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE, TENSOR
 from jaxspeed.sharding.leaves import LeafPlan
 from jaxspeed.sharding.planner import Plan
 from jaxspeed.sharding import zero_collectives as zc
@@ -170,7 +170,10 @@ def _is_gather(x) -> bool:
 def _unsupported(config, mesh: Mesh) -> str | None:
     """Why stage 3 cannot run with explicit collectives here (None: it can)."""
     zero = config.zero_optimization
-    for axis in (PIPE, SEQUENCE, EXPERT):
+    # `tensor` too: around collectives over the manual axes of a partially manual
+    # `shard_map`, XLA replicates the operands over the automatic ones, so each gather and
+    # reduce-scatter would first all-gather the weights / gradients over `tensor`.
+    for axis in (PIPE, SEQUENCE, EXPERT, TENSOR):
         if mesh.shape.get(axis, 1) > 1:
             return f"mesh.{axis}={mesh.shape[axis]}"
     if zero.offload_param.device != "none":
@@ -255,7 +258,6 @@ def _gather_layer(variables, *, gathers, dtype, switches):
     """`GPT.gather_layers`: one scanned unit's `{"params": ...}` gathered for its use."""
     def one(collection):
         prefixed = {"layers": collection}
-        out = zc.gather_tree(prefixed, gathers, dtype=dtype, switches=switches, part="use",
-                             name=zc.ZERO_GATHERED)
+        out = zc.gather_tree(prefixed, gathers, dtype=dtype, switches=switches, part="use")
         return out["layers"]
     return {name: one(tree) for name, tree in variables.items()}
