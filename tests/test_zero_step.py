@@ -24,7 +24,7 @@ from jaxspeed.cost import hlo
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops import quantize as qz
 from jaxspeed.sharding import zero_collectives as zc
-from jaxspeed.train.zero_step import switches_of
+from jaxspeed.train.zero_step import step_traffic, switches_of
 from test_engine import GLOBAL_BATCH, LR, RHO, batches, reference_from, tiny_config
 from numerics import assert_adam_params_close
 
@@ -161,9 +161,11 @@ def test_zeropp_step_moves_int8_weights_packed_int4_grads_and_crosses_hosts_once
     # forward and the recomputation in the backward pass, each layer, inside the host
     assert per_layer and all(op.executions == N_LAYERS for op in per_layer)
     assert not any(_crosses_hosts(op) for op in per_layer)
-    traffic = zc.plan_traffic(engine.plan, switches=switches_of(engine.config.zero_optimization),
-                              compute_bytes=2, per_layer=True, recompute=True)
+    traffic = step_traffic(engine.config, engine.plan)
     assert (traffic.intra_host, traffic.cross_host) == _sent(ops)
+    assert traffic == zc.plan_traffic(
+        engine.plan, switches=switches_of(engine.config.zero_optimization), compute_bytes=2,
+        per_layer=True, recompute=True)
 
 
 @pytest.mark.parametrize("overrides,per_layer", [
@@ -197,6 +199,7 @@ def test_unsupported_combinations_are_refused_in_one_line(overrides, match):
 def test_auto_keeps_the_sharding_path_where_explicit_is_unsupported():
     engine = js.initialize(tiny_config("mesh.data=4", "mesh.tensor=2", Z + "stage=3"))
     assert engine.explicit_zero is None
+    assert step_traffic(engine.config, engine.plan) is None
 
 
 @pytest.mark.parametrize("zero", [

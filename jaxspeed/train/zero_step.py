@@ -261,3 +261,33 @@ def _gather_layer(variables, *, gathers, dtype, switches):
         out = zc.gather_tree(prefixed, gathers, dtype=dtype, switches=switches, part="use")
         return out["layers"]
     return {name: one(tree) for name, tree in variables.items()}
+
+
+def step_traffic(config, plan: Plan, *, reference_model: bool = True) -> zc.Traffic | None:
+    """`zero_collectives.plan_traffic` of the step `config` runs on `plan`'s mesh: bytes per
+    device and step of each ZeRO-3 collective, intra- and cross-host (for the planner).
+
+    Args:
+      config: the run's `Config` (stage, switches, precision, remat, accumulation).
+      plan: its sharding plan (stage 3).
+      reference_model: the model is the reference GPT (its layers gathered one at a time when
+        over `max_live_parameters`); else every leaf is gathered once per step.
+
+    Returns:
+      The `Traffic`, or None where stage 3 would not run with explicit collectives.
+    """
+    zero = config.zero_optimization
+    if zero.stage != 3 or zero.collectives == "compiler" or _unsupported(config, plan.mesh):
+        return None
+    from jaxspeed.config import resolve_batch
+    from jaxspeed.ops.precision import compute_dtype
+    from jaxspeed.runtime.mesh import data_parallel_size
+    from jaxspeed.sharding.leaves import flatten_leaf_plans
+
+    count = sum(math.prod(leaf.shape) for _, leaf in flatten_leaf_plans(plan.leaves))
+    return zc.plan_traffic(
+        plan, switches=switches_of(zero), compute_bytes=compute_dtype(config).itemsize,
+        per_layer=reference_model and count > zero.max_live_parameters,
+        recompute=config.activation_checkpointing.policy != "none",
+        accumulation=resolve_batch(config, data_parallel_size(plan.mesh)).accumulation_steps,
+    )
