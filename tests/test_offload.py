@@ -20,6 +20,8 @@ TINY = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
     "model.max_seq_len=16", "data.seq_len=16", "data.max_bytes=200000", "train_batch_size=16",
     "optimizer.params.lr=0.003", "gradient_clipping=0.5", "mesh.data=8",
+    # offload runs stage 3 as a sharding (not explicit collectives): the references do too
+    "zero_optimization.collectives=compiler",
 ]
 OFFLOAD_OPT = ["zero_optimization.offload_optimizer.device=cpu"]
 HOST_UPDATE = [*OFFLOAD_OPT, "zero_optimization.offload_optimizer.update_on=host"]

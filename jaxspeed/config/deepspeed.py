@@ -105,9 +105,6 @@ DEEPSPEED_DEFAULT_ONLY: Mapping[str, tuple[Any, ...]] = types.MappingProxyType(
         "gradient_predivide_factor": (1,),
         "sparse_gradients": (False,),
         "communication_data_type": (None,),
-        "zero_optimization.zero_quantized_weights": (False,),
-        "zero_optimization.zero_quantized_gradients": (False,),
-        "zero_optimization.zero_hpz_partition_size": (1,),
         "zero_optimization.mics_shard_size": (-1,),
         "zero_optimization.offload_optimizer.ratio": (1,),
     }

@@ -136,6 +136,23 @@ class ZeroConfig(_Section):
     ] = 1_000_000_000
     offload_optimizer: OptimizerOffloadConfig = Field(default_factory=OptimizerOffloadConfig)
     offload_param: OffloadConfig = Field(default_factory=OffloadConfig)
+    #: How stage 3 gathers params and reduces gradients: `explicit` = `all_gather` /
+    #: reduce-scatter written in the step (`jaxspeed.sharding.zero_collectives`), `compiler`
+    #: = a sharding XLA partitions (on CPU: all-reduce + slice), `auto` = explicit wherever
+    #: supported (mesh.pipe, mesh.sequence and mesh.expert 1, no offload), else compiler.
+    collectives: Literal["auto", "explicit", "compiler"] = "auto"
+    #: ZeRO++ qwZ: weight all-gathers move int8 block-quantized values (dequantized after).
+    zero_quantized_weights: _Bool = False
+    #: ZeRO++ qgZ: gradients reduce-scatter as all-to-alls of block-quantized values
+    #: (`quantized_gradient_bits`), inside the host first, then across hosts; summed in fp32.
+    zero_quantized_gradients: _Bool = False
+    #: ZeRO++ hpZ: 1 = off; else the ZeRO group within a host (mesh.data / mesh.hosts): a
+    #: secondary copy of the params sharded within the host, gathered once per step.
+    zero_hpz_partition_size: _PositiveInt = 1
+    #: qgZ's bits per gradient value: 4 (packed two to a byte, ZeRO++'s choice) or 8.
+    quantized_gradient_bits: Annotated[Literal[4, 8], BeforeValidator(_not_bool)] = 4
+    #: Elements per fp32 scale in qwZ / qgZ's block quantization (even).
+    quantization_block_size: _PositiveInt = 256
 
     @model_validator(mode="after")
     def _param_offload_needs_stage3(self) -> ZeroConfig:
@@ -144,6 +161,22 @@ class ZeroConfig(_Section):
                 f"offload_param.device={self.offload_param.device!r} needs stage 3 (as in "
                 f"DeepSpeed: only sharded params are offloaded), got stage {self.stage}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _zeropp_needs_explicit_stage3(self) -> ZeroConfig:
+        on = [key for key, value in (("zero_quantized_weights", self.zero_quantized_weights),
+                                     ("zero_quantized_gradients", self.zero_quantized_gradients),
+                                     ("zero_hpz_partition_size", self.zero_hpz_partition_size > 1))
+              if value]
+        if on and (self.stage != 3 or self.collectives == "compiler"):
+            raise ValueError(
+                f"{on[0]} (ZeRO++) needs stage 3 with collectives auto or explicit, got stage "
+                f"{self.stage}, collectives {self.collectives!r}"
+            )
+        if self.quantization_block_size % 2:
+            raise ValueError(
+                f"quantization_block_size must be even, got {self.quantization_block_size}")
         return self
 
 

@@ -43,6 +43,7 @@ from jaxspeed.ops import matmul
 from jaxspeed.ops import offload
 from jaxspeed.ops.losses import AUX_LOSS
 from jaxspeed.ops.remat import checkpoint_policy
+from jaxspeed.sharding.zero_collectives import not_gathered
 
 Array = jax.Array
 Dtype = Any
@@ -105,6 +106,12 @@ class GPT(nn.Module):
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
     stream_layers: Dtype | None = None
+    #: ZeRO-3 with explicit collectives (`jaxspeed.train.zero_step`): `(variables) ->
+    #: variables` applied to each scanned unit's ZeRO-sharded params inside the step's
+    #: `shard_map`, gathering them. The backward pass gathers them again, as DeepSpeed's
+    #: ZeRO-3 does: no `remat_policy` saves them, and with "none" every other value is saved
+    #: (`zero_collectives.not_gathered`).
+    gather_layers: Any = None
     #: autoregressive decoding with a key/value cache of `max_seq_len` positions (the
     #: `cache` collection; see `jaxspeed.models.sampling`)
     decode: bool = False
@@ -162,11 +169,18 @@ class GPT(nn.Module):
             unit_cls = nn.map_variables(
                 unit_cls, "params", trans_in_fn=fetch, init=False, mutable=True
             )
-        if self.remat_policy != "none":
+        if self.gather_layers is not None:  # inside remat: the recomputation gathers again
+            unit_cls = nn.map_variables(
+                unit_cls, "params", trans_in_fn=self.gather_layers, init=False, mutable=True
+            )
+        if self.remat_policy != "none":  # no policy saves the gathers' outputs
             policy = checkpoint_policy(
                 self.remat_policy, self.remat_names, known_names=CHECKPOINT_NAMES
             )
             unit_cls = nn.remat(unit_cls, policy=policy, prevent_cse=False, static_argnums=(2,))
+        elif self.gather_layers is not None:  # save all but the gathers: gather again
+            unit_cls = nn.remat(unit_cls, policy=not_gathered, prevent_cse=False,
+                                static_argnums=(2,))
         scanned = nn.scan(
             unit_cls,
             variable_axes={"params": 0, AUX_LOSS: 0, MOE_METRICS: 0, "cache": 0},

@@ -71,7 +71,7 @@ def generate(
             raise ValueError("sampling with temperature > 0 needs a PRNG key")
         key = jax.random.key(0)
     cache_len = decode_length(model, length + max_new_tokens)
-    decoder = model.clone(decode=True, remat_policy="none", stream_layers=None,
+    decoder = model.clone(decode=True, remat_policy="none", stream_layers=None, gather_layers=None,
                           max_seq_len=cache_len)
     params = _fit_positions(params, cache_len)
     empty = jnp.zeros((batch, cache_len), jnp.int32)

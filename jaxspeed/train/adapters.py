@@ -72,18 +72,9 @@ def _takes_deterministic(module: nn.Module) -> bool:
         return False
 
 
-def linen_fns(module: nn.Module, sample_inputs) -> ModelFns:
-    """Linen: params come from `module.init`, logical axes from `nn.with_logical_partitioning`.
-
-    The apply passes the `gating` and `dropout` rngs, `deterministic=not train` when the
-    module's `__call__` takes it (the Flax convention), and collects the `aux_loss` collection.
-    """
+def linen_apply(module: nn.Module):
+    """`ModelFns.apply` of a Linen module (see `linen_fns`)."""
     flag = _takes_deterministic(module)
-
-    def init(rng):
-        variables = module.init(_rngs(rng, params=True), sample_inputs, mutable=_INIT_COLLECTIONS)
-        _only_params(variables)
-        return nn.unbox(variables["params"])
 
     def apply(params, inputs, rng, train, **features):
         rngs = _rngs(rng)
@@ -92,6 +83,22 @@ def linen_fns(module: nn.Module, sample_inputs) -> ModelFns:
             {"params": params}, inputs, rngs=rngs, mutable=[AUX_LOSS], **kwargs, **features
         )
         return outputs, total_aux_loss(state)
+
+    return apply
+
+
+def linen_fns(module: nn.Module, sample_inputs) -> ModelFns:
+    """Linen: params come from `module.init`, logical axes from `nn.with_logical_partitioning`.
+
+    The apply passes the `gating` and `dropout` rngs, `deterministic=not train` when the
+    module's `__call__` takes it (the Flax convention), and collects the `aux_loss` collection.
+    """
+    def init(rng):
+        variables = module.init(_rngs(rng, params=True), sample_inputs, mutable=_INIT_COLLECTIONS)
+        _only_params(variables)
+        return nn.unbox(variables["params"])
+
+    apply = linen_apply(module)
 
     boxed = jax.eval_shape(
         lambda rng: module.init(_rngs(rng, params=True), sample_inputs, mutable=_INIT_COLLECTIONS),

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.ops import precision
-from jaxspeed.train.adapters import ModelFns, model_fns
+from jaxspeed.train.adapters import ModelFns, linen_apply, model_fns
 from jaxspeed.train.assembly import (
     check_mesh, check_supported, onebit_axes, reference_gpt, step_objective,
 )
@@ -39,6 +39,7 @@ from jaxspeed.train.onebit_step import state_specs as onebit_state_specs
 from jaxspeed.optim.factory import onebit_phases
 from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
 from jaxspeed.train.step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
+from jaxspeed.train.zero_step import explicit_zero
 
 
 class Engine:
@@ -71,8 +72,15 @@ class Engine:
         self._checkpointers: dict[str, Checkpointer] = {}
         self._compiled: dict[str | None, Any] = {}
         pipelined = mesh.shape.get(PIPE, 1) > 1
+        #: ZeRO-3 with explicit collectives (`jaxspeed.train.zero_step`), or None
+        self.explicit_zero = explicit_zero(
+            config, mesh, plan, model, compute_dtype=self.compute_dtype,
+            param_count=self.param_count)
+        objective_fns = fns
+        if self.explicit_zero is not None and self.explicit_zero.model is not None:
+            objective_fns = fns._replace(apply=linen_apply(self.explicit_zero.model))
         self._spec = StepSpec(
-            objective=step_objective(config, mesh, fns, loss_fn, model),
+            objective=step_objective(config, mesh, objective_fns, loss_fn, model),
             tx=self.tx,
             schedule=self.schedule,
             # with a pipeline, its microbatches are the accumulation steps (one scan fewer)
@@ -82,7 +90,8 @@ class Engine:
             micro_sharding=self._micro_sharding,
             fp16=config.fp16 if config.fp16.enabled else None,
             offload=self._offload_spec(),
-            gathered_params=self._gathered_params(),
+            gathered_params=None if self.explicit_zero is not None else self._gathered_params(),
+            explicit_zero=self.explicit_zero,
         )
         dp = data_parallel_size(mesh)
         shardings = self.state_shardings

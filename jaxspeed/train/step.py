@@ -79,6 +79,9 @@ class StepSpec(NamedTuple):
     #: the compute params are gathered to once per step (else None: gathered layer by layer,
     #: as each use needs them).
     gathered_params: Any = None
+    #: ZeRO-3 with explicit collectives: a `jaxspeed.train.zero_step.ZeroStep` that computes
+    #: the loss and the sharded gradients from the stored params (else None: the sharding path).
+    explicit_zero: Any = None
 
 
 def split_microbatches(batch, accumulation: int, data_parallel: int, micro_sharding):
@@ -251,12 +254,16 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     Offloaded params and optimizer state stream in from the host here; the jitted step's
     `out_shardings` stream the new values back out.
     """
-    micro = split_microbatches(batch, spec.accumulation, data_parallel, spec.micro_sharding)
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
     next_rng, step_rng = jax.random.split(state.rng)
-    loss, extras, grads = _loss_and_grads(
-        spec, _compute_params(spec, state.params), micro, step_rng, scale
-    )
+    if spec.explicit_zero is not None:
+        loss, extras, grads = spec.explicit_zero.loss_and_grads(
+            spec, state.params, batch, step_rng, scale)
+    else:
+        micro = split_microbatches(batch, spec.accumulation, data_parallel, spec.micro_sharding)
+        loss, extras, grads = _loss_and_grads(
+            spec, _compute_params(spec, state.params), micro, step_rng, scale
+        )
     norm = _global_norm(grads)
     loss_scale = state.loss_scale
     finite = _all_finite(grads) if loss_scale is not None else None
@@ -285,6 +292,8 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
 
 def eval_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     """Mean loss over one global batch, in microbatches, without gradients."""
+    if spec.explicit_zero is not None:
+        return {"loss": spec.explicit_zero.eval_loss(spec, state.params, batch, state.rng)}
     micro = split_microbatches(batch, spec.accumulation, data_parallel, spec.micro_sharding)
     params = _compute_params(spec, state.params)
 

@@ -1,0 +1,380 @@
+"""ZeRO-3 as explicit collectives, and ZeRO++'s qwZ, hpZ and qgZ on top.
+
+Inside a `shard_map` manual over the data-parallel ZeRO axes (`host`, `data`), a parameter
+stored ZeRO-sharded on dimension `dim` is gathered with `all_gather(tiled=True)`, and the
+gradient of the local loss w.r.t. the shard is the transpose: a reduce-scatter. Both are
+written here, as one `custom_vjp` per gather, so the program says what moves on every backend
+(XLA:CPU compiles the sharding path's gradient reduction to all-reduce + slice):
+
+- forward: cast to the compute dtype, then `all_gather` (qwZ: int8 block-quantized values and
+  fp32 block scales, dequantized after; `jaxspeed.ops.quantize`);
+- backward: the cotangent in fp32, `psum_scatter` (qgZ: an `all_to_all` of block-quantized
+  int4/int8 chunks per mesh axis, major axis first, i.e. inside the host first and then across
+  hosts, each receiver dequantizing and summing in fp32). qwZ's quantization is
+  straight-through: its backward is the plain (or qgZ) reduce-scatter.
+
+hpZ splits a gather into stages: over `host` alone first (once per step: a secondary copy
+sharded within the host, ZeRO's dimension being split data-major), then over the intra-host
+axes (per layer, in the forward pass and again in the recomputed backward pass). The chain's
+transpose is the hierarchical reduce-scatter: inside the host, then across hosts.
+
+`zero_traffic` prices all this per step, split into intra-host and cross-host bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxspeed.ops import quantize as qz
+from jaxspeed.runtime.mesh import DATA, HOST
+
+#: The axes the explicit ZeRO-3 step is manual over (the batch's rows are split over them).
+MANUAL_AXES: tuple[str, ...] = (HOST, DATA)
+
+
+class Switches(NamedTuple):
+    """ZeRO++'s switches, as the collectives use them.
+
+    Attributes:
+      quantized_weights: qwZ: weight all-gathers move int8 block-quantized values.
+      gradient_bits: qgZ: gradients reduce-scatter as `all_to_all`s of block-quantized values
+        of this many bits (4 or 8); None: a full-precision (fp32) `psum_scatter`.
+      hpz: hpZ: gather over `host` once per step, then within the host per use.
+      block: elements per quantization scale.
+    """
+
+    quantized_weights: bool = False
+    gradient_bits: int | None = None
+    hpz: bool = False
+    block: int = qz.BLOCK
+
+
+class LeafGather(NamedTuple):
+    """How one stored leaf is gathered: the dimension ZeRO split, over which manual axes.
+
+    `axes` are in the spec's order (major first: `data` before `host`, see `ZERO_AXES`).
+    """
+
+    dim: int
+    axes: tuple[str, ...]
+
+    def stages(self, hpz: bool) -> tuple[tuple[str, ...], ...]:
+        """The gathers, in order: with hpZ `host` alone first, then the rest; else one."""
+        if hpz and HOST in self.axes and len(self.axes) > 1:
+            return (HOST,), tuple(a for a in self.axes if a != HOST)
+        return (self.axes,)
+
+    def sliced(self) -> LeafGather:
+        """The same gather for one slice of a scanned stack (the leading `layers` dim gone)."""
+        return self._replace(dim=self.dim - 1)
+
+
+def leaf_gather(spec, manual: tuple[str, ...] = MANUAL_AXES) -> LeafGather | None:
+    """The `LeafGather` of a stored leaf's `PartitionSpec` (None: not split over `manual`)."""
+    for dim, entry in enumerate(spec):
+        named = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        axes = tuple(a for a in named if a in manual)
+        if axes:
+            return LeafGather(dim, axes)
+    return None
+
+
+class _Gather(NamedTuple):  # static (hashable) arguments of `gather_stage`
+    axes: tuple[str, ...]
+    dim: int
+    dtype: Any
+    in_dtype: Any
+    switches: Switches
+
+
+def _concat_peers(y: jax.Array, dim: int) -> jax.Array:
+    """`[peers, *shard]` → the shards concatenated along `dim` (peer-major)."""
+    y = jnp.moveaxis(y, 0, dim)
+    shape = list(y.shape)
+    shape[dim : dim + 2] = [shape[dim] * shape[dim + 1]]
+    return y.reshape(shape)
+
+
+def worth_quantizing(size: int, bits: int, block: int, itemsize: int) -> bool:
+    """Whether `size` elements move in fewer bytes block-quantized than as `itemsize`-byte
+    values (a shard smaller than a block would move its padding): else they move as they are."""
+    return qz.quantized_bytes(size, bits=bits, block=block) < size * itemsize
+
+
+def all_gather(x: jax.Array, axes: tuple[str, ...], dim: int, *, dtype, quantized: bool = False,
+               block: int = qz.BLOCK) -> jax.Array:
+    """`x` (this device's shard) in `dtype`, gathered over `axes` along `dim` (tiled).
+
+    With `quantized`, the shard moves as int8 block-quantized values plus fp32 scales and is
+    dequantized to `dtype` after the gather (qwZ).
+    """
+    if not quantized or not worth_quantizing(x.size, 8, block, jnp.dtype(dtype).itemsize):
+        x = x.astype(dtype)
+        if x.dtype.itemsize != 2:
+            return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+        # 16-bit floats move as their bits: XLA:CPU would otherwise hoist the consumer's
+        # widening convert above the gather and move fp32.
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
+        gathered = jax.lax.all_gather(bits, axes, axis=dim, tiled=True)
+        return jax.lax.bitcast_convert_type(gathered, x.dtype)
+    q = qz.quantize(x, bits=8, block=block)
+    gathered = qz.Quantized(*(jax.lax.all_gather(a, axes, axis=0) for a in q))
+    return _concat_peers(qz.dequantize(gathered, x.shape, dtype, bits=8), dim)
+
+
+def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, *, bits: int | None = None,
+                   block: int = qz.BLOCK) -> jax.Array:
+    """The fp32 sum of `g` over `axes`, this device's block of `dim` kept (`psum_scatter`).
+
+    With `bits` (qgZ), one `all_to_all` per axis, major first: `g` is split into one chunk
+    per peer along `dim`, each chunk block-quantized to `bits` and sent to its peer, which
+    dequantizes what it receives and sums it in fp32; the next axis works on that sum.
+    """
+    g = g.astype(jnp.float32)
+    if bits is None:
+        return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+    for axis in axes:
+        g = _quantized_reduce_scatter(g, axis, dim, bits, block)
+    return g
+
+
+def _quantized_reduce_scatter(g, axis: str, dim: int, bits: int, block: int):
+    peers = jax.lax.axis_size(axis)
+    if not worth_quantizing(g.size // peers, bits, block, 4):
+        return jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+    y = jnp.moveaxis(g, dim, 0)
+    chunks = y.reshape(peers, y.shape[0] // peers, *y.shape[1:])
+    q = jax.vmap(functools.partial(qz.quantize, bits=bits, block=block))(chunks)
+    received = qz.Quantized(*(
+        jax.lax.all_to_all(a, axis, split_axis=0, concat_axis=0, tiled=True) for a in q))
+    summed = qz.dequantize(received, chunks.shape[1:], jnp.float32, bits=bits).sum(axis=0)
+    return jnp.moveaxis(summed, 0, dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_stage(x, op: _Gather):
+    return all_gather(x, op.axes, op.dim, dtype=op.dtype,
+                      quantized=op.switches.quantized_weights, block=op.switches.block)
+
+
+def _gather_fwd(x, op: _Gather):
+    return _gather_stage(x, op), None
+
+
+def _gather_bwd(op: _Gather, _, cotangent):
+    s = op.switches
+    summed = reduce_scatter(cotangent, op.axes, op.dim, bits=s.gradient_bits, block=s.block)
+    return (summed.astype(op.in_dtype),)
+
+
+_gather_stage.defvjp(_gather_fwd, _gather_bwd)
+
+
+def gather_stage(x: jax.Array, axes: tuple[str, ...], dim: int, *, dtype,
+                 switches: Switches = Switches()) -> jax.Array:
+    """One ZeRO gather of `x` over `axes` (inside `shard_map` manual over them), in `dtype`.
+
+    Its transpose is `reduce_scatter` in fp32 (qgZ: quantized), cast to `x`'s dtype.
+    """
+    return _gather_stage(x, _Gather(tuple(axes), dim, jnp.dtype(dtype), x.dtype, switches))
+
+
+#: Which of a leaf's gather stages `gather_leaf` runs: all of them; hpZ's `host` stage alone
+#: (the once-per-step secondary copy); or the others (each use).
+PARTS = ("all", "secondary", "use")
+
+
+def _part(stages, part: str, hpz: bool):
+    secondary = tuple(s for s in stages if hpz and s == (HOST,))
+    if part == "secondary":
+        return secondary
+    if part == "use":
+        return tuple(s for s in stages if s not in secondary)
+    return stages
+
+
+def gather_leaf(x: jax.Array, leaf: LeafGather | None, *, dtype, switches: Switches,
+                part: str = "all") -> jax.Array:
+    """`x` through `leaf`'s gather stages (`part` of `PARTS`), the last one's output in `dtype`.
+
+    A leaf with no stage to run is returned as it is (cast only by `part="all"` or `"use"`,
+    which hand the model its compute params).
+    """
+    stages = _part(leaf.stages(switches.hpz) if leaf else (), part, switches.hpz)
+    for axes in stages:
+        x = gather_stage(x, axes, leaf.dim, dtype=dtype, switches=switches)
+    if part != "secondary":
+        x = x.astype(dtype)
+    return x
+
+
+def not_gathered(prim, *_, **params) -> bool:
+    """A remat policy: every value is saved for the backward pass but what a ZeRO gather
+    produced, so the backward pass gathers it again (DeepSpeed's ZeRO-3 releases a layer's
+    params after its forward pass). A gather is a `custom_vjp` whose primal holds an
+    `all_gather` (its `call_jaxpr`, as jax 0.11 and 0.12 name it)."""
+    if prim.name != "custom_vjp_call":
+        return True
+    jaxpr = params.get("call_jaxpr")
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return not any(eqn.primitive.name == "all_gather" for eqn in getattr(jaxpr, "eqns", ()))
+
+
+def gather_tree(tree, leaves: Mapping[str, LeafGather | None], *, dtype, switches: Switches,
+                part: str = "all"):
+    """`gather_leaf` on every floating leaf of `tree`, found in `leaves` by its '/'-joined
+    path; other leaves pass through unchanged."""
+    from jaxspeed.sharding.planner import path_str
+
+    def one(path, x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        leaf = leaves[path_str(path)]
+        return gather_leaf(x, leaf, dtype=dtype, switches=switches, part=part)
+
+    return jax.tree.map_with_path(one, tree)
+
+
+# -- cost --------------------------------------------------------------------------------
+
+
+class Traffic(NamedTuple):
+    """Bytes one device sends per step, by where they go.
+
+    Attributes:
+      intra_host: over links inside its host.
+      cross_host: over the network between hosts.
+      by_collective: `{name: (intra_host, cross_host)}` for `forward_gather`,
+        `backward_gather` (the recomputation's gathers; 0 without per-layer gathering or
+        without remat), `secondary_gather` (hpZ's once-per-step gather over `host`) and
+        `reduce_scatter`.
+    """
+
+    intra_host: int
+    cross_host: int
+    by_collective: dict[str, tuple[int, int]]
+
+
+def _gather_bytes(size: int, peers: int, dtype_bytes: int, quantized: bool, block: int) -> int:
+    """Bytes one device sends in a ring all-gather of a `size`-element shard to `peers`."""
+    if quantized and worth_quantizing(size, 8, block, dtype_bytes):
+        return (peers - 1) * qz.quantized_bytes(size, bits=8, block=block)
+    return (peers - 1) * size * dtype_bytes
+
+
+def _scatter_bytes(size: int, peers: int, bits: int | None, block: int) -> int:
+    """Bytes one device sends reduce-scattering `size` elements over `peers` (fp32 ring, or
+    one all-to-all of quantized chunks)."""
+    chunk = size // peers
+    if bits and worth_quantizing(chunk, bits, block, 4):
+        return (peers - 1) * qz.quantized_bytes(chunk, bits=bits, block=block)
+    return (peers - 1) * 4 * chunk
+
+
+def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, LeafGather | None],
+                 mesh_shape: Mapping[str, int], *, switches: Switches = Switches(),
+                 compute_bytes: int = 2, layered: Mapping[str, bool] | None = None,
+                 recompute: bool = False, accumulation: int = 1) -> Traffic:
+    """Bytes each ZeRO-3 collective moves per device and per step, intra- and cross-host.
+
+    Pure arithmetic over the leaves' full shapes and their `LeafGather`s, as
+    `jaxspeed.train.zero_step` runs them. A ring collective over `peers` devices sends
+    `(peers - 1)` shards (all-gather) or chunks (reduce-scatter, fp32); qgZ's all-to-all sends
+    `(peers - 1)` quantized chunks per axis; shards too small to gain from quantizing move as
+    they are (`worth_quantizing`). A collective counts as cross-host when its group spans
+    hosts (it has the `host` axis). Per step: a leaf that is not `layered` is gathered once;
+    a `layered` one (a scanned stack the model gathers layer by layer) once per microbatch,
+    and again by the backward pass: each layer's matrices always, its vectors (norm scales,
+    biases, saved in their broadcast form without remat) only when `recompute`; hpZ's `host`
+    stage of it once; every gradient is reduce-scattered once per microbatch.
+
+    Args:
+      shapes: leaf path → full (global) shape.
+      gathers: leaf path → its `LeafGather` (None: not ZeRO-sharded, nothing moves).
+      mesh_shape: mesh axis → size.
+      switches: ZeRO++'s switches.
+      compute_bytes: bytes per element of the compute dtype the weights are gathered in.
+      layered: leaf path → True where gathered per layer (default: none).
+      recompute: whether activation checkpointing recomputes the layers (any policy but
+        "none"), so the backward pass gathers their vectors again too.
+      accumulation: microbatches per step.
+
+    Returns:
+      `Traffic`.
+    """
+    totals = {name: [0, 0] for name in (
+        "forward_gather", "backward_gather", "secondary_gather", "reduce_scatter")}
+    layered = layered or {}
+
+    def add(name: str, axes, nbytes: int) -> None:
+        totals[name][1 if HOST in axes else 0] += nbytes
+
+    for path, leaf in gathers.items():
+        if leaf is None:
+            continue
+        size = math.prod(shapes[path])
+        shard = size // math.prod(mesh_shape[a] for a in leaf.axes)
+        per_layer = bool(layered.get(path))
+        stages = leaf.stages(switches.hpz)
+        secondary = _part(stages, "secondary", switches.hpz) if per_layer else ()
+        for axes in stages:
+            peers = math.prod(mesh_shape[a] for a in axes)
+            nbytes = _gather_bytes(shard, peers, compute_bytes, switches.quantized_weights,
+                                   switches.block)
+            if axes in secondary:
+                add("secondary_gather", axes, nbytes)
+            elif per_layer:
+                add("forward_gather", axes, nbytes * accumulation)
+                if recompute or len(shapes[path]) > 2:  # a matrix of each layer
+                    add("backward_gather", axes, nbytes * accumulation)
+            else:
+                add("forward_gather", axes, nbytes)
+            shard *= peers
+        remaining = size  # the reduce-scatters, innermost gather's first
+        for axes in reversed(stages):
+            groups = [(a,) for a in axes] if switches.gradient_bits else [axes]
+            for group in groups:
+                peers = math.prod(mesh_shape[a] for a in group)
+                add("reduce_scatter", group,
+                    _scatter_bytes(remaining, peers, switches.gradient_bits, switches.block)
+                    * accumulation)
+                remaining //= peers
+    by = {name: (intra, cross) for name, (intra, cross) in totals.items()}
+    return Traffic(
+        intra_host=sum(v[0] for v in by.values()),
+        cross_host=sum(v[1] for v in by.values()),
+        by_collective=by,
+    )
+
+
+def plan_traffic(plan, *, switches: Switches = Switches(), compute_bytes: int = 2,
+                 per_layer: bool = True, recompute: bool = False,
+                 accumulation: int = 1) -> Traffic:
+    """`zero_traffic` of a stage-3 `jaxspeed.sharding.Plan`.
+
+    Args:
+      plan: the plan (its leaves' param specs give the `LeafGather`s).
+      switches: ZeRO++'s switches (`jaxspeed.train.zero_step.switches_of(config section)`).
+      compute_bytes: bytes per element of the compute dtype (2 for bf16/fp16, 4 for fp32).
+      per_layer: whether the scanned stack (`layers/...` leaves) is gathered layer by layer
+        (the reference GPT over `max_live_parameters`); else every leaf once per step.
+      recompute: activation checkpointing on (`activation_checkpointing.policy` not "none").
+      accumulation: microbatches per step.
+    """
+    from jaxspeed.sharding.leaves import flatten_leaf_plans
+
+    leaves = {leaf.path: leaf for _, leaf in flatten_leaf_plans(plan.leaves)}
+    return zero_traffic(
+        {path: leaf.shape for path, leaf in leaves.items()},
+        {path: leaf_gather(leaf.param) for path, leaf in leaves.items()},
+        dict(plan.mesh.shape), switches=switches, compute_bytes=compute_bytes,
+        layered={path: per_layer and (leaf.logical or ())[:1] == ("layers",)
+                 for path, leaf in leaves.items()},
+        recompute=recompute, accumulation=accumulation,
+    )

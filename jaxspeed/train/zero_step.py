@@ -1,0 +1,293 @@
+"""ZeRO-3's loss and gradients with explicit collectives: a `shard_map` over `host` and `data`.
+
+Inside the map each data-parallel worker holds its rows and its ZeRO shard of every param
+(every other mesh axis has size 1: see `_unsupported`). The loss is differentiated w.r.t. the
+shards; the gathers (`jaxspeed.sharding.zero_collectives`) run where the params are used, and
+their transposes reduce-scatter the gradients, so each worker ends with the gradient of its
+own shard, summed over workers in fp32, and the update runs on shards as with the sharding
+path. Where the gathers run:
+
+- the reference GPT's scanned layers: one layer at a time, inside the scan
+  (`GPT.gather_layers`), again in the backward pass (the gathered params are never saved);
+  hpZ's `host` stage of them once per step, before the microbatches;
+- every other leaf, and every leaf of another model: once per step, before the
+  microbatches, its reduce-scatter once per microbatch;
+- all params within `zero_optimization.max_live_parameters`: every leaf once per step.
+
+`explicit_zero` decides from the config whether stage 3 runs this way (`collectives`), and
+refuses the ZeRO++ switches where it cannot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxspeed.errors import ConfigError
+from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE, TENSOR
+from jaxspeed.sharding.leaves import LeafPlan
+from jaxspeed.sharding.planner import Plan
+from jaxspeed.sharding import zero_collectives as zc
+from jaxspeed.sharding.vma import varying_axes
+from jaxspeed.train.onebit_step import _local_rules
+
+
+def _leaves(plan: Plan, fn):
+    return jax.tree.map(fn, plan.leaves, is_leaf=lambda x: isinstance(x, LeafPlan))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ZeroStep:
+    """What the explicit ZeRO-3 step needs besides the `StepSpec`.
+
+    Attributes:
+      mesh: the device mesh.
+      rules: the logical rules inside the map (without `host` and `data`).
+      gathers: a pytree like the params: each leaf's `LeafGather` (None: not ZeRO-sharded).
+      layered: a pytree like the params: True where the model gathers the leaf layer by layer.
+      switches: ZeRO++'s switches.
+      compute_dtype: the dtype params are gathered in.
+      model: the reference GPT with its per-layer gather, or None (no leaf is layered).
+    """
+
+    mesh: Mesh
+    rules: Any
+    gathers: Any
+    layered: Any
+    switches: zc.Switches
+    compute_dtype: Any
+    model: Any = None
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return zc.MANUAL_AXES
+
+    @property
+    def workers(self) -> int:
+        return math.prod(self.mesh.shape.get(a, 1) for a in self.axes)
+
+    def param_specs(self):
+        """shard_map specs of the stored params: the manual axes on the ZeRO dimension."""
+        def spec(leaf):
+            return P() if leaf is None else P(*(None,) * leaf.dim, leaf.axes)
+        return jax.tree.map(spec, self.gathers, is_leaf=_is_gather)
+
+    def _step_gather(self, params):
+        """The once-per-step gathers: whole leaves, or hpZ's secondary copy of layered ones."""
+        def one(x, leaf, layered):
+            part = "secondary" if layered else "all"
+            return zc.gather_leaf(x, leaf, dtype=self.compute_dtype, switches=self.switches,
+                                  part=part)
+        return jax.tree.map(one, params, self.gathers, self.layered, is_leaf=_is_gather)
+
+    def _vary(self, params):
+        """Params varying over every manual axis: a leaf replicated over one of them (no ZeRO
+        dimension divisible by it) has its gradient summed over it by the `pcast`'s transpose."""
+        def one(x):
+            missing = tuple(a for a in self.axes if a not in varying_axes(x))
+            return jax.lax.pcast(x, missing, to="varying") if missing else x
+        return jax.tree.map(one, params)
+
+    def loss_and_grads(self, spec, params, batch, rng, scale):
+        """Mean loss, mean extras and the fp32 gradients of the stored (sharded) `params`,
+        over `spec.accumulation` microbatches of the global `batch`; the `train_step` part."""
+        rows = P(self.axes)
+
+        def local(params, batch, rng, scale):
+            with nn.logical_axis_rules(self.rules):
+                micro = jax.tree.map(
+                    lambda x: x.reshape(spec.accumulation, -1, *x.shape[1:]), batch)
+                # each worker its own draws (gate noise, dropout): its rows are its own
+                rng = jax.random.fold_in(rng, jax.lax.axis_index(self.axes))
+                compute, reduce = jax.vjp(lambda p: self._step_gather(self._vary(p)), params)
+
+                def grads_of(i, b):
+                    def loss_of(p):
+                        loss, extras = spec.objective(p, b, jax.random.fold_in(rng, i), True)
+                        loss = loss.astype(jnp.float32)
+                        return loss * scale, (loss, extras)
+                    (_, (loss, extras)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+                        compute)
+                    return loss, extras, reduce(grads)[0]
+
+                total = grads_of(0, jax.tree.map(lambda x: x[0], micro))
+                if spec.accumulation > 1:
+                    def body(carry, indexed):
+                        return jax.tree.map(jnp.add, carry, grads_of(*indexed)), None
+                    rest = jax.tree.map(lambda x: x[1:], micro)
+                    total, _ = jax.lax.scan(
+                        body, total, (jnp.arange(1, spec.accumulation), rest))
+            loss, extras, grads = total
+            n = spec.accumulation
+            mean = lambda x: jax.lax.pmean(x / n, self.axes)  # noqa: E731
+            divisor = n * self.workers * scale
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
+            return mean(loss), jax.tree.map(mean, extras), grads
+
+        specs = self.param_specs()
+        return jax.shard_map(
+            local, mesh=self.mesh,
+            in_specs=(specs, jax.tree.map(lambda _: rows, batch), P(), P()),
+            out_specs=(P(), P(), specs), axis_names=set(self.axes),
+        )(params, batch, rng, jnp.asarray(scale, jnp.float32))
+
+    def eval_loss(self, spec, params, batch, rng):
+        """Mean loss over the global `batch` in `spec.accumulation` microbatches (no grads)."""
+        def local(params, batch, rng):
+            with nn.logical_axis_rules(self.rules):
+                compute = self._step_gather(self._vary(params))
+                micro = jax.tree.map(
+                    lambda x: x.reshape(spec.accumulation, -1, *x.shape[1:]), batch)
+
+                def body(total, b):
+                    loss, _ = spec.objective(compute, b, rng, False)
+                    return total + loss.astype(jnp.float32), None
+
+                total, _ = jax.lax.scan(
+                    body, jax.lax.pcast(jnp.zeros((), jnp.float32), self.axes, to="varying"),
+                    micro)
+            return jax.lax.pmean(total / spec.accumulation, self.axes)
+
+        return jax.shard_map(
+            local, mesh=self.mesh,
+            in_specs=(self.param_specs(), jax.tree.map(lambda _: P(self.axes), batch), P()),
+            out_specs=P(), axis_names=set(self.axes),
+        )(params, batch, rng)
+
+
+def _is_gather(x) -> bool:
+    return x is None or isinstance(x, zc.LeafGather)
+
+
+def _unsupported(config, mesh: Mesh) -> str | None:
+    """Why stage 3 cannot run with explicit collectives here (None: it can)."""
+    zero = config.zero_optimization
+    # `tensor` too: around collectives over the manual axes of a partially manual
+    # `shard_map`, XLA replicates the operands over the automatic ones, so each gather and
+    # reduce-scatter would first all-gather the weights / gradients over `tensor`.
+    for axis in (PIPE, SEQUENCE, EXPERT, TENSOR):
+        if mesh.shape.get(axis, 1) > 1:
+            return f"mesh.{axis}={mesh.shape[axis]}"
+    if zero.offload_param.device != "none":
+        return f"offload_param.device={zero.offload_param.device}"
+    if zero.offload_optimizer.device != "none":
+        return f"offload_optimizer.device={zero.offload_optimizer.device}"
+    return None
+
+
+def switches_of(zero) -> zc.Switches:
+    """The collectives' `Switches` from the `zero_optimization` section."""
+    return zc.Switches(
+        quantized_weights=zero.zero_quantized_weights,
+        gradient_bits=zero.quantized_gradient_bits if zero.zero_quantized_gradients else None,
+        hpz=zero.zero_hpz_partition_size > 1,
+        block=zero.quantization_block_size,
+    )
+
+
+def check_hpz(size: int, mesh: Mesh) -> None:
+    """`zero_hpz_partition_size` is 1 (off) or the ZeRO group within a host (`data` per host)."""
+    intra = mesh.shape.get(DATA, 1)
+    if size not in (1, intra):
+        raise ConfigError(
+            f"zero_optimization.zero_hpz_partition_size={size}: accepted values are 1 (off) or "
+            f"{intra} (the ZeRO group within a host: mesh.data / mesh.hosts = "
+            f"{intra * mesh.shape.get(HOST, 1)} / {mesh.shape.get(HOST, 1)})"
+        )
+
+
+def explicit_zero(config, mesh: Mesh, plan: Plan, model, *, compute_dtype,
+                  param_count: int) -> ZeroStep | None:
+    """The `ZeroStep` when stage 3 runs with explicit collectives, else None.
+
+    `collectives: auto` runs them wherever supported; `explicit` and the ZeRO++ switches
+    refuse (one `ConfigError`) where not: a pipeline, a sequence or expert axis, offload.
+    """
+    zero = config.zero_optimization
+    if zero.stage != 3 or zero.collectives == "compiler":
+        return None
+    switches = switches_of(zero)
+    wanted = [key for key, on in (("collectives=explicit", zero.collectives == "explicit"),
+                                  ("zero_quantized_weights", switches.quantized_weights),
+                                  ("zero_quantized_gradients", switches.gradient_bits),
+                                  ("zero_hpz_partition_size", switches.hpz)) if on]
+    why = _unsupported(config, mesh)
+    if why is not None:
+        if wanted:
+            raise ConfigError(
+                f"zero_optimization.{wanted[0]} needs ZeRO-3 with explicit collectives, which "
+                f"is not available with {why}; turn it off (collectives: auto uses the "
+                f"sharding path there)")
+        return None
+    check_hpz(zero.zero_hpz_partition_size, mesh)
+    gathers = _leaves(plan, lambda leaf: zc.leaf_gather(leaf.param))
+    from jaxspeed.models.gpt import GPT
+
+    per_layer = (isinstance(model, GPT) and model.stream_layers is None
+                 and param_count > zero.max_live_parameters)
+    layered = _leaves(plan, lambda leaf: per_layer and (leaf.logical or ())[:1] == ("layers",))
+    step = ZeroStep(mesh=mesh, rules=_local_rules(plan.rules, zc.MANUAL_AXES), gathers=gathers,
+                    layered=layered, switches=switches, compute_dtype=compute_dtype)
+    if not per_layer:
+        return step
+    layer_gathers = {
+        path: (leaf.sliced() if leaf is not None else None)
+        for path, leaf in _flat(gathers).items() if path.startswith("layers/")
+    }
+    hook = functools.partial(_gather_layer, gathers=layer_gathers, dtype=compute_dtype,
+                             switches=switches)
+    return dataclasses.replace(step, model=model.clone(gather_layers=hook))
+
+
+def _flat(tree) -> dict[str, Any]:
+    from jaxspeed.sharding.planner import path_str
+
+    flat = jax.tree.flatten_with_path(tree, is_leaf=_is_gather)[0]
+    return {path_str(p): leaf for p, leaf in flat}
+
+
+def _gather_layer(variables, *, gathers, dtype, switches):
+    """`GPT.gather_layers`: one scanned unit's `{"params": ...}` gathered for its use."""
+    def one(collection):
+        prefixed = {"layers": collection}
+        out = zc.gather_tree(prefixed, gathers, dtype=dtype, switches=switches, part="use")
+        return out["layers"]
+    return {name: one(tree) for name, tree in variables.items()}
+
+
+def step_traffic(config, plan: Plan, *, reference_model: bool = True) -> zc.Traffic | None:
+    """`zero_collectives.plan_traffic` of the step `config` runs on `plan`'s mesh: bytes per
+    device and step of each ZeRO-3 collective, intra- and cross-host (for the planner).
+
+    Args:
+      config: the run's `Config` (stage, switches, precision, remat, accumulation).
+      plan: its sharding plan (stage 3).
+      reference_model: the model is the reference GPT (its layers gathered one at a time when
+        over `max_live_parameters`); else every leaf is gathered once per step.
+
+    Returns:
+      The `Traffic`, or None where stage 3 would not run with explicit collectives.
+    """
+    zero = config.zero_optimization
+    if zero.stage != 3 or zero.collectives == "compiler" or _unsupported(config, plan.mesh):
+        return None
+    from jaxspeed.config import resolve_batch
+    from jaxspeed.ops.precision import compute_dtype
+    from jaxspeed.runtime.mesh import data_parallel_size
+    from jaxspeed.sharding.leaves import flatten_leaf_plans
+
+    count = sum(math.prod(leaf.shape) for _, leaf in flatten_leaf_plans(plan.leaves))
+    return zc.plan_traffic(
+        plan, switches=switches_of(zero), compute_bytes=compute_dtype(config).itemsize,
+        per_layer=reference_model and count > zero.max_live_parameters,
+        recompute=config.activation_checkpointing.policy != "none",
+        accumulation=resolve_batch(config, data_parallel_size(plan.mesh)).accumulation_steps,
+    )

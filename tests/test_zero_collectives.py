@@ -1,0 +1,178 @@
+"""ZeRO-3's explicit gather / reduce-scatter and ZeRO++'s variants, on 2 emulated hosts x 4.
+
+Each against the collective it replaces (`all_gather`, `psum_scatter`), exactly where nothing
+is quantized, within the block quantizer's error (`|err| <= scale / 2` per element and per
+quantization, `scale = max|block| / qmax`) where something is; and what the compiled program
+moves, read from its HLO.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from jaxspeed.cost import hlo
+from jaxspeed.ops import quantize as qz
+from jaxspeed.sharding import zero_collectives as zc
+
+HOSTS, DATA = 2, 4
+AXES = ("data", "host")  # the ZeRO split: data-major (jaxspeed.runtime.mesh.ZERO_AXES)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((HOSTS, DATA), ("host", "data"), axis_types=(AxisType.Auto,) * 2)
+
+
+def shard_fn(mesh, fn, in_spec, out_spec):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec,
+                                 axis_names={"host", "data"}))
+
+
+def test_leaf_gather_from_spec_and_stages():
+    leaf = zc.leaf_gather(P(None, ("data", "host"), "tensor"))
+    assert leaf == zc.LeafGather(1, AXES)
+    assert leaf.stages(hpz=False) == (AXES,)
+    assert leaf.stages(hpz=True) == (("host",), ("data",))
+    assert zc.leaf_gather(P("tensor")) is None
+    assert zc.LeafGather(1, ("host",)).stages(hpz=True) == (("host",),)
+    assert leaf.sliced().dim == 0
+
+
+@pytest.mark.parametrize("switches", [zc.Switches(), zc.Switches(hpz=True)], ids=["zero3", "hpz"])
+def test_gather_equals_all_gather_and_its_transpose_psum_scatter(mesh, switches):
+    """Gathered: the whole array on every device. Gradient of `sum(w * gathered)` with a
+    per-device `w`: the sum over devices of `w` (psum_scatter), each device its block."""
+    x = jax.random.normal(jax.random.key(0), (3, 8 * 6))
+    w = jax.random.normal(jax.random.key(1), (HOSTS * DATA, 3, 8 * 6))
+    leaf = zc.LeafGather(1, AXES)
+
+    def local(x, w):
+        gathered, pull = jax.vjp(
+            lambda x: zc.gather_leaf(x, leaf, dtype=jnp.float32, switches=switches), x)
+        return gathered[None], pull(w[0])[0]
+
+    got, grad = shard_fn(mesh, local, (P(None, AXES), P(("host", "data"))),
+                         (P(("host", "data")), P(None, AXES)))(x, w)
+    np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(np.asarray(x), got.shape))
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(w.sum(0)), rtol=1e-6, atol=1e-6)
+
+
+def test_gather_matches_reference_collectives_bit_for_bit(mesh):
+    x = jax.random.normal(jax.random.key(0), (8 * 4, 5))
+    g = jax.random.normal(jax.random.key(1), (HOSTS * DATA * 8 * 4, 5))
+
+    def ours(x, g):
+        return (zc.all_gather(x, AXES, 0, dtype=jnp.float32)[None],
+                zc.reduce_scatter(g, AXES, 0))
+
+    def reference(x, g):
+        return (jax.lax.all_gather(x, AXES, axis=0, tiled=True)[None],
+                jax.lax.psum_scatter(g, AXES, scatter_dimension=0, tiled=True))
+
+    specs = ((P(AXES), P(("host", "data"))), (P(("host", "data")), P(AXES)))
+    for a, b in zip(shard_fn(mesh, ours, *specs)(x, g), shard_fn(mesh, reference, *specs)(x, g)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_quantized_gather_within_half_a_scale(mesh):
+    x = jax.random.normal(jax.random.key(0), (8 * 40, 3)) * 5
+    block = 64
+
+    def local(x):
+        return zc.all_gather(x, AXES, 0, dtype=jnp.float32, quantized=True, block=block)[None]
+
+    got = np.asarray(shard_fn(mesh, local, P(AXES), P(("host", "data")))(x))
+    shards = np.asarray(x).reshape(HOSTS * DATA, 40 * 3)  # each device's shard, flattened
+    padded = np.pad(shards, ((0, 0), (0, 128 - 40 * 3))).reshape(HOSTS * DATA, -1, block)
+    bound = np.repeat(np.abs(padded).max(2) / 127 / 2, block, axis=1)[:, : 40 * 3]
+    err = np.abs(got - np.asarray(x)[None]).reshape(HOSTS * DATA, HOSTS * DATA, 40 * 3)
+    assert np.all(err <= bound[None] * (1 + 2**-20)), err.max()
+    assert err.max() > 0  # it did quantize
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_reduce_scatter_within_its_error_bound(mesh, bits):
+    """Two all-to-alls, each quantizing what it sends: inside the host `DATA` chunks of
+    at most `max|g|`, then across hosts `HOSTS` partial sums of at most `DATA * max|g|`."""
+    g = jax.random.normal(jax.random.key(2), (HOSTS * DATA, 8 * 16, 4))
+
+    def ours(g):
+        return zc.reduce_scatter(g[0], AXES, 0, bits=bits, block=32)
+
+    got = np.asarray(shard_fn(mesh, ours, P(("host", "data")), P(AXES))(g))
+    want = np.asarray(g).sum(0)
+    step = np.abs(np.asarray(g)).max() / qz.QMAX[bits]
+    bound = (DATA * step + HOSTS * DATA * step) / 2
+    err = np.abs(got - want)
+    assert err.max() <= bound, (err.max(), bound)
+    assert err.max() > 0
+
+
+def _hlo_collectives(mesh, switches, *, shape=(8 * 64, 4)):
+    x = jnp.ones(shape)
+    leaf = zc.LeafGather(0, AXES)
+
+    def local(x):
+        def loss(x):
+            y = zc.gather_leaf(x, leaf, dtype=jnp.bfloat16, switches=switches)
+            y = y.astype(jnp.float32)
+            return jnp.sum(y * y * (1 + jax.lax.axis_index(("host", "data"))))
+        return jax.grad(loss)(x)
+
+    text = shard_fn(mesh, local, P(AXES), P(AXES)).lower(x).compile().as_text()
+    return hlo.collectives(text, num_devices=HOSTS * DATA), text
+
+
+def _crosses_hosts(op) -> bool:
+    return any(len({d // DATA for d in group}) > 1 for group in op.groups)
+
+
+def test_hlo_zero3_is_all_gather_and_reduce_scatter(mesh):
+    ops, text = _hlo_collectives(mesh, zc.Switches())
+    kinds = sorted(op.kind for op in ops)
+    assert kinds == ["all-gather", "reduce-scatter"], kinds
+    gather = next(op for op in ops if op.kind == "all-gather")
+    assert gather.bytes == 8 * 64 * 4 * 2  # bf16, the gathered buffer
+    assert "all-reduce" not in text
+
+
+def test_hlo_qwz_gathers_int8_and_qgz_all_to_alls_packed_int4(mesh):
+    ops, text = _hlo_collectives(mesh, zc.Switches(quantized_weights=True, gradient_bits=4))
+    assert {op.kind for op in ops} == {"all-gather", "all-to-all"}
+    assert any(line for line in text.splitlines() if "all-gather" in line and "s8[" in line)
+    packed = [line for line in text.splitlines()
+              if " all-to-all(" in line and "u8[" in line]
+    assert packed, "qgZ's all-to-all moves packed uint8"
+    a2a = [op for op in ops if op.kind == "all-to-all" and op.bytes > 64]  # values, not scales
+    # inside the host first: the full-size gradient in 4 chunks, each 64*4*2/4 elements at 4 bits
+    intra = [op for op in a2a if not _crosses_hosts(op)]
+    cross = [op for op in a2a if _crosses_hosts(op)]
+    assert [op.bytes for op in intra] == [8 * 64 * 4 // 2] and [op.bytes for op in cross] == [
+        8 * 64 * 4 // 2 // DATA]
+
+
+def test_hlo_hpz_gathers_across_hosts_once_then_inside(mesh):
+    ops, _ = _hlo_collectives(mesh, zc.Switches(hpz=True))
+    gathers = [op for op in ops if op.kind == "all-gather"]
+    assert sorted(_crosses_hosts(op) for op in gathers) == [False, True]
+    scatters = [op for op in ops if op.kind == "reduce-scatter"]
+    assert sorted(_crosses_hosts(op) for op in scatters) == [False, True]
+
+
+def test_zero_traffic_matches_the_hlo(mesh):
+    """`zero_traffic`'s per-collective split into intra- and cross-host bytes, against the
+    compiled program's own collectives (ring bytes = `(peers - 1) / peers` of the buffer)."""
+    shape = (8 * 64, 4)
+    for switches in [zc.Switches(), zc.Switches(hpz=True),
+                     zc.Switches(quantized_weights=True, gradient_bits=8)]:
+        ops, _ = _hlo_collectives(mesh, switches, shape=shape)
+        sent = {False: 0, True: 0}
+        for op in ops:
+            peers = len(op.groups[0])
+            sent[_crosses_hosts(op)] += op.bytes * (peers - 1) // peers
+        traffic = zc.zero_traffic({"w": shape}, {"w": zc.LeafGather(0, AXES)},
+                                  {"host": HOSTS, "data": DATA}, switches=switches)
+        assert (traffic.intra_host, traffic.cross_host) == (sent[False], sent[True]), switches
