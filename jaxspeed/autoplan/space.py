@@ -93,21 +93,13 @@ class Candidate:
         ]
         if self.schedule:
             out += [f"pipeline.schedule={self.schedule}", f"pipeline.num_microbatches={self.accumulation}"]
-        if _has_zeropp_keys() or self.quantized_weights or self.quantized_gradients or self.hpz:
-            hosts = self.hosts if self.hpz else 1
-            out += [
-                f"zero_optimization.zero_quantized_weights={str(self.quantized_weights).lower()}",
-                f"zero_optimization.zero_quantized_gradients={str(self.quantized_gradients).lower()}",
-                f"zero_optimization.zero_hpz_partition_size={self.sizes['data'] // hosts if self.hpz else 1}",
-            ]
+        hosts = self.hosts if self.hpz else 1
+        out += [
+            f"zero_optimization.zero_quantized_weights={str(self.quantized_weights).lower()}",
+            f"zero_optimization.zero_quantized_gradients={str(self.quantized_gradients).lower()}",
+            f"zero_optimization.zero_hpz_partition_size={self.sizes['data'] // hosts if self.hpz else 1}",
+        ]
         return out
-
-
-def _has_zeropp_keys() -> bool:
-    """Whether this build's config has ZeRO++'s keys (so a plan sets them either way)."""
-    from jaxspeed.config.schema import ZeroConfig
-
-    return "zero_quantized_weights" in ZeroConfig.model_fields
 
 
 def from_config(config: Config, mesh_shape: dict[str, int]) -> Candidate:

@@ -1,9 +1,9 @@
 """What a training step moves between devices, from the model's shapes: one `Transfer` per kind
 of collective, with the mesh axes its groups run along (in rank order) and how often per step.
 
-This is the planner's own byte model (the ZeRO++ branch's `zero_traffic` prices the ZeRO-3
-collectives alike; this one also covers the optimizers and the other stages and gives each
-collective's kind, which the link models in `comm` need). Swap it by passing other `Transfer`s
+This is the planner's own byte model: `jaxspeed.sharding.zero_collectives.zero_traffic` prices
+the ZeRO-3 collectives of a built sharding plan alike; this one needs no plan, also covers the
+optimizers and the other stages, and gives each collective's kind, which `comm` needs. Swap it by passing other `Transfer`s
 to `comm`. Bytes are per device in the profiler's full-buffer convention
 (`jaxspeed.cost.hlo`), so they compare with the compiled step's collectives.
 
@@ -53,7 +53,7 @@ ONEBIT_VARIANTS = {"Adam": ("OneBitAdam", "ZeroOneAdam"), "AdamW": ("OneBitAdam"
 #: layers (embedding, final norm): the explicit ZeRO-3 step moves each leaf in its own
 #: collective, which pays its latency.
 LAYER_LEAVES, OTHER_LEAVES = 8, 2
-#: qwZ / qgZ defaults when the config does not say (`jaxspeed.ops.quantize.BLOCK`).
+#: qwZ / qgZ defaults (the config's `quantization_block_size`, `quantized_gradient_bits`).
 BLOCK, GRADIENT_BITS = 256, 4
 #: DeepSpeed's ZeroOneAdam defaults.
 ZERO_ONE_DEFAULTS = {"var_freeze_step": 100000, "var_update_scaler": 16,
@@ -81,14 +81,14 @@ class Switches(NamedTuple):
 
 
 def switches_of(config: Any) -> Switches:
-    """The ZeRO++ switches of `config` (all off where its schema has no such keys)."""
+    """The ZeRO++ switches of `config`'s `zero_optimization` section."""
     zero = config.zero_optimization
     return Switches(
-        quantized_weights=bool(getattr(zero, "zero_quantized_weights", False)),
-        quantized_gradients=bool(getattr(zero, "zero_quantized_gradients", False)),
-        hpz=int(getattr(zero, "zero_hpz_partition_size", 1) or 1) > 1,
-        gradient_bits=int(getattr(zero, "zero_quantized_gradients_bits", GRADIENT_BITS)),
-        block=int(getattr(zero, "zero_quantization_block", BLOCK)),
+        quantized_weights=zero.zero_quantized_weights,
+        quantized_gradients=zero.zero_quantized_gradients,
+        hpz=zero.zero_hpz_partition_size > 1,
+        gradient_bits=zero.quantized_gradient_bits,
+        block=zero.quantization_block_size,
     )
 
 

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.ops import precision
-from jaxspeed.train.adapters import ModelFns, linen_apply, model_fns
+from jaxspeed.train.adapters import ModelFns, model_fns
 from jaxspeed.train.assembly import (
     check_mesh, check_supported, onebit_axes, reference_gpt, step_objective,
 )
@@ -39,7 +39,7 @@ from jaxspeed.train.onebit_step import state_specs as onebit_state_specs
 from jaxspeed.optim.factory import onebit_phases
 from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
 from jaxspeed.train.step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
-from jaxspeed.train.zero_step import explicit_zero
+from jaxspeed.train.zero_step import explicit_zero, gathered_once
 
 
 class Engine:
@@ -76,11 +76,9 @@ class Engine:
         self.explicit_zero = explicit_zero(
             config, mesh, plan, model, compute_dtype=self.compute_dtype,
             param_count=self.param_count)
-        objective_fns = fns
-        if self.explicit_zero is not None and self.explicit_zero.model is not None:
-            objective_fns = fns._replace(apply=linen_apply(self.explicit_zero.model))
+        zero_fns = fns if self.explicit_zero is None else self.explicit_zero.objective_fns(fns)
         self._spec = StepSpec(
-            objective=step_objective(config, mesh, objective_fns, loss_fn, model),
+            objective=step_objective(config, mesh, zero_fns, loss_fn, model),
             tx=self.tx,
             schedule=self.schedule,
             # with a pipeline, its microbatches are the accumulation steps (one scan fewer)
@@ -90,7 +88,8 @@ class Engine:
             micro_sharding=self._micro_sharding,
             fp16=config.fp16 if config.fp16.enabled else None,
             offload=self._offload_spec(),
-            gathered_params=None if self.explicit_zero is not None else self._gathered_params(),
+            gathered_params=(None if self.explicit_zero is not None
+                             else gathered_once(config, mesh, plan, self.param_count)),
             explicit_zero=self.explicit_zero,
         )
         dp = data_parallel_size(mesh)
@@ -123,18 +122,6 @@ class Engine:
         return self._phases[0] if step is None else self._phase_of(step)
 
     # -- layouts ------------------------------------------------------------------------
-    def _gathered_params(self):
-        """ZeRO-3's compute params gathered once per step, when they all fit the live budget.
-
-        Not with offloaded params (they stream from the host) or a pipeline (each stage holds
-        its own layers).
-        """
-        zero = self.config.zero_optimization
-        if zero.stage < 3 or zero.offload_param.device != "none" or self.mesh.shape.get(
-                PIPE, 1) > 1:
-            return None
-        return self.plan.params_gathered if self.param_count <= zero.max_live_parameters else None
-
     @property
     def param_count(self) -> int:
         """The model's number of parameters."""

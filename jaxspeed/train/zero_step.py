@@ -66,6 +66,14 @@ class ZeroStep:
     compute_dtype: Any
     model: Any = None
 
+    def objective_fns(self, fns):
+        """`fns` (a `ModelFns`) applying the model with its per-layer gather, where it has one."""
+        if self.model is None:
+            return fns
+        from jaxspeed.train.adapters import linen_apply
+
+        return fns._replace(apply=linen_apply(self.model))
+
     @property
     def axes(self) -> tuple[str, ...]:
         return zc.MANUAL_AXES
@@ -202,6 +210,19 @@ def check_hpz(size: int, mesh: Mesh) -> None:
             f"{intra} (the ZeRO group within a host: mesh.data / mesh.hosts = "
             f"{intra * mesh.shape.get(HOST, 1)} / {mesh.shape.get(HOST, 1)})"
         )
+
+
+def gathered_once(config, mesh: Mesh, plan: Plan, param_count: int):
+    """The sharding path's (`collectives: compiler`) compute params for ZeRO-3, gathered once
+    per step when they all fit `max_live_parameters`; else None (XLA gathers them where used).
+
+    Not with offloaded params (they stream from the host) or a pipeline (each stage holds its
+    own layers).
+    """
+    zero = config.zero_optimization
+    if zero.stage < 3 or zero.offload_param.device != "none" or mesh.shape.get(PIPE, 1) > 1:
+        return None
+    return plan.params_gathered if param_count <= zero.max_live_parameters else None
 
 
 def explicit_zero(config, mesh: Mesh, plan: Plan, model, *, compute_dtype,
