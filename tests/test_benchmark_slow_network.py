@@ -177,8 +177,11 @@ def test_throughput_is_the_median_of_the_last_half(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     rows = [{"step": i, "loss": 5.0 - i, "tokens_per_second": t}
             for i, t in enumerate([10, 20, 1000, 300, 100, 200], 1)]
-    metrics.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 6, "eval_loss": 1}\n')
+    metrics.write_text("\n".join(json.dumps(r) for r in rows))
     assert _link_jobs.throughput(metrics) == _link_jobs.Throughput(200, -1.0, 6, 3, 4)
+    rows[-1]["eval_loss"] = 1.5  # the held-out loss at the end, where the run logs one
+    metrics.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 6, "eval_loss": 1}\n')
+    assert _link_jobs.throughput(metrics) == _link_jobs.Throughput(200, 1.0, 6, 3, 4)
 
 
 def test_refusal_tells_a_missing_feature_from_a_wrong_name(monkeypatch):
@@ -263,7 +266,8 @@ def test_report_with_predictions(monkeypatch, tmp_path, capsys):
     assert table[5].split()[:6] == ["zero_one_adam", "1,800.0", "1,300.0", "0.72", "adamw", "3.60x"]
     assert "zero_one_adam vs onebit_adam: 1.20x" in table
     assert table[-2] == ("ranking: measured zero_one_adam > onebit_adam > adamw > zero3; planner "
-                         "onebit_adam > zero_one_adam > adamw > zero3: differs")
+                         "onebit_adam > zero_one_adam > adamw > zero3: differs (predicted, not "
+                         "measured: onebit_adam > zero_one_adam); predictions within 5% are ties")
     last = json.loads(table[-1])
     assert (last["case"], last["ratio"], last["tcp_MBps"]) == ("onebit_adam vs adamw", 3.0, 11.9)
     pairs = {(s["config"], s["baseline"]): s for s in last["summary"]}
@@ -271,6 +275,23 @@ def test_report_with_predictions(monkeypatch, tmp_path, capsys):
     assert pairs["onebit_adam", "adamw"]["loss_within"] is False
     assert pairs["zero_one_adam", "onebit_adam"]["ratio"] == 1.2
     assert last["ranking"]["matches"] is False
+    assert last["ranking"]["disagreements"] == ["onebit_adam > zero_one_adam"]
+
+
+def test_predictions_within_the_tie_rank_either_way():
+    def row(name, measured, predicted):
+        return slow_network.Row(name, None, [], tokens_per_second=measured,
+                                predicted_tokens_per_second=predicted)
+
+    rows = {r.config: r for r in (row("adamw", 354.3, 294.9), row("lamb", 357.1, 294.9),
+                                  row("zero3", 244.8, 255.3))}
+    ranking = slow_network.rankings(rows)
+    assert ranking["measured"] == ["lamb", "adamw", "zero3"]
+    assert ranking["matches"] is True and ranking["disagreements"] == []
+    rows["zero3"] = row("zero3", 400.0, 255.3)  # measured faster than both: not a tie
+    ranking = slow_network.rankings(rows)
+    assert ranking["matches"] is False
+    assert ranking["disagreements"] == ["adamw > zero3", "lamb > zero3"]
 
 
 def test_report_without_a_calibrated_link_and_a_broken_run(monkeypatch, tmp_path, capsys):
