@@ -110,6 +110,24 @@ def test_jaxpr_flops_counts_scan_iterations():
     assert grad_flops == 3 * jaxpr_flops(fn, x, w)  # forward + two matmuls per matmul back
 
 
+def test_jaxpr_flops_counts_a_shard_map_body_once_per_device():
+    """A `shard_map` body is one device's share: the batch split over 2 x 4 devices, partly
+    manual, fully, or by two nested maps, still counts the global matmul."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    x, w = jnp.ones((16, 32)), jnp.ones((32, 8))
+    dense = jaxpr_flops(lambda x, w: x @ w, x, w)
+
+    def split(axes, body=lambda x, w: x @ w, mesh=mesh):
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P()), out_specs=P(axes),
+                             axis_names=set(axes))
+
+    nested = split(("a",), split(("b",), mesh=None))  # the inner map on the context's mesh
+    with jax.set_mesh(mesh):
+        assert jaxpr_flops(split(("a",)), x, w) == dense
+        assert jaxpr_flops(split(("a", "b")), x, w) == dense
+        assert jaxpr_flops(nested, x, w) == dense
+
+
 def test_peak_and_mfu():
     assert peak_flops("NVIDIA H200") == 989e12
     assert peak_flops("cpu") is None

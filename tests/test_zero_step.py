@@ -63,6 +63,7 @@ def test_explicit_zero3_equals_sharding_path_and_single_device(dataset, case):
     compiler, base, base_losses = train(
         tiny_config(*CASES[case], Z + "collectives=compiler"), dataset, 2)
     assert compiler.explicit_zero is None
+    assert explicit.step_flops() == compiler.step_flops()  # the map's body counts per device
     np.testing.assert_allclose(losses, base_losses, rtol=RHO)
     assert_adam_params_close(state.params, base.params, steps=2, lr=LR, rho=RHO)
     if case.startswith("hosts2"):

@@ -176,6 +176,10 @@ def _count_flops(jaxpr) -> int:
             total += 2 * math.prod(lhs) * rhs[-1]
         elif name == "cond":
             total += max((_count_flops(j) for j in _sub_jaxprs(eqn)), default=0)
+        elif name == "shard_map":  # the body is one device's share: once per device it runs on
+            sizes = eqn.params["mesh"].shape
+            devices = math.prod(sizes[a] for a in eqn.params.get("newly_manual_axes", ()))
+            total += devices * sum(_count_flops(j) for j in _sub_jaxprs(eqn))
         else:
             inner = sum(_count_flops(j) for j in _sub_jaxprs(eqn))
             total += inner * (eqn.params.get("length", 1) if name == "scan" else 1)
@@ -186,7 +190,9 @@ def jaxpr_flops(fn, *args) -> int:
     """Matmul FLOPs of `fn(*args)` for the whole (global) computation, loops included.
 
     Counts `dot_general` (2·M·N·K) and `ragged_dot`, multiplies `scan` bodies by their
-    length, takes the larger branch of a `cond`. Elementwise work is not counted, which is
+    length and `shard_map` bodies (one device's share) by the devices along their manual axes
+    (work a body repeats on replicated inputs counts on each device), takes the larger branch
+    of a `cond`. Elementwise work is not counted, which is
     the usual convention for model FLOPs; rematerialised forward passes are counted.
     """
     import jax
