@@ -13,8 +13,12 @@ from test_cli import ROOT, TINY, write
 #: Runs `jaxspeed` with `Engine.init` stalled: it says READY on stderr and sleeps, so a SIGINT
 #: sent after READY lands during start-up (after the checkpoint folder exists, before any step).
 STALLED_INIT = """
-import sys, time
+import signal, sys, time
 from jaxspeed.train import engine
+
+# a shell's background job starts with SIGINT ignored (and so would this child): a terminal's
+# Ctrl-C is what the test sends, so SIGINT gets Python's own handler back
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def init(self, rng):
     print("READY", file=sys.stderr, flush=True)

@@ -35,6 +35,7 @@ HOSTS2 = ["mesh.data=8", "mesh.hosts=2", Z + "stage=3", Z + "max_live_parameters
 CASES = {
     "hosts2/layer/remat": [*HOSTS2, "activation_checkpointing.policy=full"],
     "data8/layer/accum2": ["mesh.data=8", Z + "stage=3", Z + "max_live_parameters=0",
+                           Z + "collectives=explicit",
                            "gradient_accumulation_steps=2"],
 }
 
@@ -201,6 +202,17 @@ def test_auto_keeps_the_sharding_path_where_explicit_is_unsupported():
     engine = js.initialize(tiny_config("mesh.data=4", "mesh.tensor=2", Z + "stage=3"))
     assert engine.explicit_zero is None
     assert step_traffic(engine.config, engine.plan) is None
+
+
+@pytest.mark.parametrize("overrides, explicit", [
+    (["mesh.data=8"], False),  # one host: the sharding path (faster and lighter on CPU)
+    (["mesh.data=8", Z + "zero_quantized_weights=true"], True),  # a ZeRO++ switch
+    (["mesh.data=8", "mesh.hosts=2"], True),  # across hosts
+])
+def test_auto_runs_explicit_across_hosts_or_with_a_zeropp_switch(overrides, explicit):
+    engine = js.initialize(tiny_config(*overrides, Z + "stage=3"))
+    assert (engine.explicit_zero is not None) is explicit
+    assert (step_traffic(engine.config, engine.plan) is not None) is explicit
 
 
 @pytest.mark.parametrize("zero", [
