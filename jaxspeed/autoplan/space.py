@@ -104,11 +104,11 @@ class Candidate:
 
 def from_config(config: Config, mesh_shape: dict[str, int]) -> Candidate:
     """The plan `config` runs as given, on a mesh of `mesh_shape` (mesh axes, `host` included)."""
-    from jaxspeed.autoplan.traffic import switches_of
+    from jaxspeed.train.zero_step import switches_of
 
     zero, hosts = config.zero_optimization, int(mesh_shape.get("host", 1))
     mesh = tuple((a, int(mesh_shape.get(a, 1)) * (hosts if a == "data" else 1)) for a in CONFIG_AXES)
-    sw = switches_of(config)
+    sw = switches_of(config.zero_optimization)
     offload = ("params" if zero.offload_param.device != "none"
                else "optimizer" if zero.offload_optimizer.device != "none" else "none")
     pipe, sizes = dict(mesh)["pipe"], dict(mesh)
@@ -117,7 +117,7 @@ def from_config(config: Config, mesh_shape: dict[str, int]) -> Candidate:
         mesh, zero.stage, config.activation_checkpointing.policy,
         batch.micro_batch_per_device, batch.accumulation_steps,
         config.pipeline.schedule if pipe > 1 else None, offload,
-        sw.quantized_weights, sw.quantized_gradients, sw.hpz, hosts,
+        sw.quantized_weights, sw.gradient_bits is not None, sw.hpz, hosts,
     )
 
 

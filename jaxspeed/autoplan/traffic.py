@@ -42,7 +42,9 @@ import math
 from typing import Any, NamedTuple
 
 from jaxspeed.ops.precision import compute_dtype
+from jaxspeed.ops.quantize import quantized_bytes
 from jaxspeed.runtime.mesh import AXES, DATA, EXPERT, HOST, SEQUENCE
+from jaxspeed.train.zero_step import switches_of
 
 #: The optimizers whose data-parallel exchange is the 1-bit compressed all-reduce.
 ONEBIT = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
@@ -53,8 +55,6 @@ ONEBIT_VARIANTS = {"Adam": ("OneBitAdam", "ZeroOneAdam"), "AdamW": ("OneBitAdam"
 #: layers (embedding, final norm): the explicit ZeRO-3 step moves each leaf in its own
 #: collective, which pays its latency.
 LAYER_LEAVES, OTHER_LEAVES = 8, 2
-#: qwZ / qgZ defaults (the config's `quantization_block_size`, `quantized_gradient_bits`).
-BLOCK, GRADIENT_BITS = 256, 4
 #: DeepSpeed's ZeroOneAdam defaults.
 ZERO_ONE_DEFAULTS = {"var_freeze_step": 100000, "var_update_scaler": 16,
                      "local_step_scaler": 32678, "local_step_clipper": 16}
@@ -70,40 +70,12 @@ class Transfer(NamedTuple):
     count: float  #: executions per step (an average where steps differ)
 
 
-class Switches(NamedTuple):
-    """ZeRO++'s switches as priced here (config keys under `zero_optimization`)."""
-
-    quantized_weights: bool = False  #: qwZ
-    quantized_gradients: bool = False  #: qgZ
-    hpz: bool = False  #: hpZ (`zero_hpz_partition_size` > 1)
-    gradient_bits: int = GRADIENT_BITS
-    block: int = BLOCK
-
-
-def switches_of(config: Any) -> Switches:
-    """The ZeRO++ switches of `config`'s `zero_optimization` section."""
-    zero = config.zero_optimization
-    return Switches(
-        quantized_weights=zero.zero_quantized_weights,
-        quantized_gradients=zero.zero_quantized_gradients,
-        hpz=zero.zero_hpz_partition_size > 1,
-        gradient_bits=zero.quantized_gradient_bits,
-        block=zero.quantization_block_size,
-    )
-
-
 def mesh_sizes(sizes: dict[str, int], hosts: int) -> dict[str, int]:
     """Config-style sizes (`data` the total degree) → mesh axis sizes with `host` split off:
     `hosts` when it divides `data`, else 1."""
     out = {axis: int(sizes.get(axis, 1)) for axis in AXES if axis != HOST}
     host = hosts if hosts > 1 and out[DATA] % hosts == 0 else 1
     return {HOST: host, **out, DATA: out[DATA] // host}
-
-
-def quantized_bytes(elements: float, bits: int, block: int) -> float:
-    """Bytes of `elements` block-quantized to `bits`: values plus an fp32 scale a block."""
-    blocks = max(1, math.ceil(elements / block))
-    return blocks * (block * bits / 8 + 4)
 
 
 def onebit_bytes(params: float, workers: int, leaves: int) -> float:
@@ -234,8 +206,10 @@ def step_transfers(
 
 def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers) -> list[Transfer]:
     """ZeRO-3's gathers and reduce-scatters (the explicit step's, ZeRO++ switches included)."""
-    sw = Switches(plan.quantized_weights, plan.quantized_gradients, plan.hpz,
-                  *switches_of(config)[3:])
+    zero = config.zero_optimization
+    sw = switches_of(zero)._replace(  # the plan's switches, the config's bits and block
+        quantized_weights=plan.quantized_weights, hpz=plan.hpz,
+        gradient_bits=zero.quantized_gradient_bits if plan.quantized_gradients else None)
     cbytes = compute_dtype(config).itemsize
     layered = (layered_params + other_params) > config.zero_optimization.max_live_parameters
     recompute = layered and plan.remat != "none"
@@ -252,7 +226,7 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers)
         for i, axes in enumerate(stages):
             gathered *= math.prod(sizes[a] for a in axes)
             n = elements * gathered / z / leaves  # one leaf's gathered output, elements
-            nbytes = quantized_bytes(n, 8, sw.block) if sw.quantized_weights else n * cbytes
+            nbytes = quantized_bytes(n, bits=8, block=sw.block) if sw.quantized_weights else n * cbytes
             if per_layer and len(stages) > 1 and i == 0:  # hpZ's secondary copy
                 out.append(Transfer(f"zero3.secondary_gather.{label}", "all-gather", nbytes,
                                     axes, leaves))
@@ -264,10 +238,10 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers)
                                     axes, leaves * micro))
         remaining = elements / leaves
         for axes in reversed(stages):
-            for group in ([(a,) for a in axes] if sw.quantized_gradients else [axes]):
-                if sw.quantized_gradients:
+            for group in ([(a,) for a in axes] if sw.gradient_bits else [axes]):
+                if sw.gradient_bits:
                     out.append(Transfer(f"zero3.grad_all_to_all.{label}", "all-to-all",
-                                        quantized_bytes(remaining, sw.gradient_bits, sw.block),
+                                        quantized_bytes(remaining, bits=sw.gradient_bits, block=sw.block),
                                         group, leaves * micro))
                 else:
                     out.append(Transfer(f"zero3.grad_reduce_scatter.{label}", "reduce-scatter",
