@@ -141,28 +141,32 @@ class Calibration:
     hosts: int
     inter_host_gbps: float | None
     latency_us: float | None
+    efficiency: float | None = None  #: the model's step's share of the matmul peak
     error: str | None = None
 
 
 def calibrate(link: SlowLink, *, devices: int, out: Path, port: int, timeout: float,
-              quick: bool) -> Calibration:
+              quick: bool, config: str, overrides: list[str]) -> Calibration:
     """`jaxspeed calibrate` as a 2-process job across the link, into `out/cluster.rank0.yaml`
-    (each process names its own file, in case every process writes one).
+    (each process names its own file, in case every process writes one). Its `efficiency` is
+    a step of `config`'s model with `overrides` (`calibrate --config`), so the planner prices
+    that model's compute as this machine runs it.
 
     A calibration whose file says `hosts: 1` did not cross the link (a calibrate that does not
     join the processes into one job measures each process's own devices)."""
     sizes = ["--repeats", "3", "--matmul-size", "512", "--collective-mib", "4"] if quick else []
     args = ["calibrate", "--out", str(out / "cluster.rank{rank}.yaml"), "--name", "slow_link",
-            "--cpu-devices", str(devices), *sizes]
+            "--cpu-devices", str(devices), *sizes, "--config", config,
+            *[a for s in overrides for a in ("--set", s)]]
     codes = run_pair(link, args, logs=out / "calibrate", port=port, timeout=timeout)
     cluster = out / "cluster.rank0.yaml"
     if codes != [0, 0] or not cluster.exists():
         return Calibration(None, 0, None, None,
-                           f"exit {codes}: {last_line(out / 'calibrate.rank0.log')}")
+                           error=f"exit {codes}: {last_line(out / 'calibrate.rank0.log')}")
     data = yaml.safe_load(cluster.read_text())
     inter = data.get("inter_host") or {}
     return Calibration(cluster, int(data.get("hosts", 0)), inter.get("bandwidth_gbps"),
-                       inter.get("latency_us"))
+                       inter.get("latency_us"), data.get("efficiency"))
 
 
 def predict(config: str, overrides: list[str], *, cluster: Path, devices: int,

@@ -275,11 +275,13 @@ def measure_link(link: SlowLink, args, out: Path, port: int):
     print(f"link: {rate}; one TCP stream moved {mbps:.2f} MB/s", flush=True)
     print("calibrate: 2 processes across the link ...", flush=True)
     cal = jobs.calibrate(link, devices=DEVICES_PER_HOST, out=out, port=port,
-                         timeout=args.timeout, quick=args.quick)
+                         timeout=args.timeout, quick=args.quick, config=args.config,
+                         overrides=args.set)
     figures = {"rate_mbit": args.rate, "tcp_MBps": round(mbps, 3), "hosts": 2,
                "devices_per_host": DEVICES_PER_HOST, "steps": args.steps,
                "calibrated": {"hosts": cal.hosts, "inter_host_GBps": cal.inter_host_gbps,
-                              "latency_us": cal.latency_us, "error": cal.error}}
+                              "latency_us": cal.latency_us, "efficiency": cal.efficiency,
+                              "error": cal.error}}
     if cal.error:
         note = f"calibrate failed ({cal.error})"
     elif cal.hosts != 2:
@@ -287,7 +289,8 @@ def measure_link(link: SlowLink, args, out: Path, port: int):
     else:
         note = None
         print(f"calibrate: inter-host {_num(cal.inter_host_gbps * 1e3, '{:.2f}')} MB/s per "
-              f"device, latency {_num(cal.latency_us, '{:.0f}')} us ({cal.cluster})", flush=True)
+              f"device, latency {_num(cal.latency_us, '{:.0f}')} us; a step of the model at "
+              f"{_num(cal.efficiency, '{:.2f}')} of the matmul peak ({cal.cluster})", flush=True)
     if note:
         print(f"calibrate: {note}", flush=True)
     return figures, cal, note

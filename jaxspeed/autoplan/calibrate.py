@@ -23,6 +23,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.autoplan.cluster import Cluster, save_cluster
+from jaxspeed.autoplan.step_probe import probe_config, step_efficiency, step_probe
+from jaxspeed.config import Config
 from jaxspeed.errors import JaxspeedError
 
 _AXIS = "devices"
@@ -44,6 +46,7 @@ def calibrate(
     matmul_size: int = 2048,
     collective_mib: float = 16,
     repeats: int = 5,
+    model: Config | None = None,
 ) -> Cluster:
     """Measures `devices` (default: all) and returns them as a `Cluster`.
 
@@ -71,7 +74,9 @@ def calibrate(
       on every device at once, read plus written.
     * `efficiency`: the FLOP rate of a training step's matmuls over the bare matmul's: the
       forward and backward pass of a 4-layer MLP of `[n, n]` layers (float32), on every
-      device at once, divided by the float32 figure above (at most 1).
+      device at once, divided by the float32 figure above (at most 1). With `model`, a
+      training step of that config's model instead, on each host's own devices at once
+      (`step_probe`): the share of the peak that the planner's compute term needs to equal it.
 
     Args:
       devices: at least 2 devices, the same number on each host.
@@ -79,6 +84,7 @@ def calibrate(
       matmul_size: `n` of the matmuls.
       collective_mib: bytes of the large all-gather's result, in MiB.
       repeats: timed rounds after the warm-up round; each figure is its median.
+      model: a config whose model's step gives `efficiency` (default: the MLP's).
 
     Raises:
       JaxspeedError: fewer than 2 devices (there is no link to measure), an uneven number
@@ -114,6 +120,11 @@ def calibrate(
         levels = {f"{axis}_{size}": _gather_probe(two, count, axis=axis)
                   for axis, peers in ((_HOSTS, hosts), (_LOCAL, per_host)) if peers > 1
                   for size, count in (("large", max(1, round(floats / peers))), ("tiny", 1))}
+    probed = None
+    if model is not None:  # on this host's devices, every host at once
+        probed = probe_config(model, devices=g, local=per_host)
+        here = [d for d in devices if d.process_index == jax.process_index()]
+        levels["model_step"] = (step_probe(probed, here), ())
     seconds = _interleaved_medians(
         {
             **levels,
@@ -143,7 +154,7 @@ def calibrate(
     }
     fp32 = 2 * n**3 / seconds["matmul_fp32"]
     host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Cluster(
+    cluster = Cluster(
         name=name,
         hosts=hosts,
         devices_per_host=g // hosts,
@@ -157,6 +168,9 @@ def calibrate(
         host_memory=host_memory,
         collectives=_algorithms(devices, hosts),
     )
+    if probed is None:
+        return cluster
+    return cluster.model_copy(update={"efficiency": step_efficiency(probed, seconds["model_step"], cluster)})
 
 
 def _link(seconds: Mapping[str, float], axis: str, peers: int, floats: int) -> dict[str, float]:
@@ -173,12 +187,13 @@ def _algorithms(devices: Sequence[jax.Device], hosts: int) -> str:
     return "gloo" if cpu and hosts > 1 else "nccl"
 
 
-def main(out: str | os.PathLike, **options: Any) -> Cluster:
+def main(out: str | os.PathLike, *, model_source: str | None = None, **options: Any) -> Cluster:
     """Calibrates this machine and saves it to `out` as YAML (see `save_cluster`); with
     several processes every process measures and the first one writes.
 
     Args:
       out: the file to write.
+      model_source: where `options["model"]` came from (a config's path), for the file's header.
       **options: keyword arguments of `calibrate`.
 
     Returns:
@@ -188,10 +203,13 @@ def main(out: str | os.PathLike, **options: Any) -> Cluster:
     if jax.process_index() != 0:  # one file, from the first process
         return cluster
     devices = options.get("devices") or jax.devices()
-    sizes = {key: value for key, value in options.items() if key != "devices"}
+    sizes = {key: value for key, value in options.items() if key not in ("devices", "model")}
+    efficiency = ("a training step of the model of " + (model_source or "the given config")
+                  if options.get("model") is not None else "a 4-layer MLP's training step")
     comment = (
         f"Measured by jaxspeed calibrate on {len(devices)} {devices[0].platform} devices, "
         f"jax {jax.__version__}, options {sizes or 'default'}.\n"
+        f"efficiency: {efficiency}.\n"
         f"Load with jaxspeed.autoplan.cluster.load_cluster."
     )
     save_cluster(cluster, Path(out), comment=comment)

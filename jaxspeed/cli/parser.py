@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 "and rougher)")
     calibrate.add_argument("--collective-mib", type=float, default=16, metavar="MIB",
                            help="MiB of the large all-gather, copy and elementwise pass (default 16)")
+    calibrate.add_argument("--config", default=None, metavar="CONFIG",
+                           help="time a training step of this config's model for `efficiency` "
+                                "(the share of the matmul peak the planner prices its compute "
+                                "at), instead of a matmul-only MLP's: what makes `plan "
+                                "--cluster` predict that model's step time")
+    calibrate.add_argument("--set", dest="overrides", action="append", default=[],
+                           metavar="KEY=VALUE", help="with --config: override a config key")
+    calibrate.set_defaults(device_memory=None)  # `load_config_args` reads it
 
     bench = sub.add_parser("bench", help="run a benchmark from benchmarks/")
     bench.add_argument("name", help="benchmark name, e.g. zero_memory")

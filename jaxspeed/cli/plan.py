@@ -188,9 +188,15 @@ def _auto_devices(cluster, devices: int | None, target: str | None):
 def calibrate_command(args) -> int:
     """`jaxspeed calibrate`: measures this machine into a cluster YAML; prints it as JSON."""
     from jaxspeed.autoplan.calibrate import main as calibrate
+    from jaxspeed.errors import ConfigError
 
+    if args.overrides and args.config is None:
+        raise ConfigError("calibrate: --set needs --config (the config it overrides)")
+    model = load_config_args(args) if args.config is not None else None
     cluster = calibrate(args.out, name=args.name, repeats=args.repeats,
-                        matmul_size=args.matmul_size, collective_mib=args.collective_mib)
+                        matmul_size=args.matmul_size, collective_mib=args.collective_mib,
+                        model=model,
+                        model_source=" --set ".join([args.config or "", *args.overrides]))
     import jax
 
     if jax.process_index() == 0:
