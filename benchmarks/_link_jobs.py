@@ -93,7 +93,7 @@ def last_line(log: Path) -> str:
 class Throughput:
     """A training run's figures from its `metrics.jsonl`."""
 
-    tokens_per_second: float  # median over the measured steps
+    tokens_per_second: float  # the measured steps' tokens over their time
     last_loss: float | None  # held-out (the run's final eval) where logged, else the last step's
     steps_logged: int
     steps_measured: int  # the last half of the logged steps
@@ -101,8 +101,10 @@ class Throughput:
 
 
 def throughput(metrics: Path) -> Throughput:
-    """Median tokens/s over the last half of the logged steps (after start-up, compiling and
-    a 1-bit optimizer's freeze), and the loss at the end: the held-out `eval_loss` the run
+    """Tokens/s over the last half of the logged steps (after start-up, compiling and a 1-bit
+    optimizer's freeze): their tokens over their time, the harmonic mean of the steps' rates
+    (a median would report 0/1 Adam's local steps alone, never its syncs), and the loss at
+    the end: the held-out `eval_loss` the run
     logs with its last step (one batch's training loss is too noisy to hold to 3%: AdamW's
     swings 8% between consecutive steps of the tiny GPT), else the last step's loss."""
     logged = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -111,7 +113,7 @@ def throughput(metrics: Path) -> Throughput:
         raise RuntimeError(f"{metrics} has no logged step")
     half = rows[len(rows) // 2:]
     evals = [r["eval_loss"] for r in logged if "eval_loss" in r]
-    return Throughput(statistics.median(r["tokens_per_second"] for r in half),
+    return Throughput(statistics.harmonic_mean([r["tokens_per_second"] for r in half]),
                       evals[-1] if evals else rows[-1].get("loss"), len(rows), len(half),
                       half[0].get("step", -1))
 

@@ -10,8 +10,9 @@ asks the planner for its prediction on that cluster (`plan --cluster FILE --json
 link), then trains it with `jaxspeed train`: one process per namespace, each pinned to its own
 core with 2 emulated CPU devices, `mesh.data=4`, so the mesh is host=2 x data=2 and gloo
 carries every cross-host collective over the shaped link (`_link_jobs.py`). tokens/s is the
-median over the last half of the logged steps; the 1-bit optimizers freeze at a quarter of the
-run, so every measured step is a compressed one.
+tokens of the last half of the logged steps over their time; the 1-bit optimizers freeze at a
+quarter of the run, so every measured step is a compressed one (the planner prices the same
+half: `traffic.exchange_fractions`).
 
 Configurations, each beside its baseline: ZeRO-3 against ZeRO++ (qwZ + qgZ + hpZ), both bf16;
 AdamW against OneBitAdam and ZeroOneAdam; Lamb against OneBitLamb. A configuration this build
@@ -110,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--configs: unknown configuration {unknown or repr(args.configs)}; "
                      f"choose from {', '.join(CONFIGS)}")
     if args.steps < 4:
-        parser.error(f"--steps must be >= 4 (the median is over the last half), got {args.steps}")
+        parser.error(f"--steps must be >= 4 (the measurement is the last half), got {args.steps}")
     if args.rate < 0:
         parser.error(f"--rate must be >= 0 Mbit/s (0 = unshaped), got {args.rate:g}")
     config = Path(args.config)

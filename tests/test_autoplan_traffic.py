@@ -152,6 +152,9 @@ def test_zero_one_adam_syncs_every_kth_step_after_its_freeze():
     full, onebit = traffic.zero_one_fractions(fake, 40)
     # steps 9..40: intervals 1 x4 (steps 9-12), 2 x4 (13-16), then 4: 4 + 2 + 6 = 12 syncs of 32
     assert (full, onebit) == (0.0, pytest.approx(12 / 32))
+    # a run of 40 steps is priced over its second half, where throughput is measured: steps
+    # 21..40 sync at 24, 28, 32, 36 and 40
+    assert traffic.exchange_fractions(fake, "ZeroOneAdam") == (0.0, pytest.approx(5 / 20))
     full, onebit = traffic.zero_one_fractions(fake, 8)
     # before the freeze: variance updates at steps 1, 2 (interval 1), 4, 6, 8 (interval 2)
     assert (full, onebit) == (pytest.approx(5 / 8), pytest.approx(3 / 8))

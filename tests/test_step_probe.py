@@ -22,16 +22,16 @@ def _config(*extra):
     return load_config("configs/gpt_tiny.yaml", overrides=[*SMALL, *extra])
 
 
-def test_probe_config_keeps_the_per_device_batch_on_one_host_data_parallel():
+def test_probe_config_keeps_the_per_device_batch_on_one_device():
     config = _config("train_batch_size=16", "gradient_accumulation_steps=2", "mesh.tensor=2",
                      "zero_optimization.stage=3", "optimizer.type=OneBitAdam",
                      "optimizer.params.lr=3e-4")
     probed = probe_config(config, devices=8, local=4)  # 2 hosts x 4; data 4 x tensor 2
-    assert (probed.mesh.data, probed.mesh.tensor, probed.mesh.hosts) == (-1, 1, 1)
+    assert (probed.mesh.data, probed.mesh.tensor, probed.mesh.hosts) == (1, 1, 1)
     assert probed.zero_optimization.stage == 0
-    # 16 rows over data 4: 2 per device a micro-step, 2 micro-steps; on 4 devices: 16 rows
+    # 16 rows over data 4: 2 per device a micro-step, 2 micro-steps
     assert (probed.train_batch_size, probed.train_micro_batch_size_per_device,
-            probed.gradient_accumulation_steps) == (16, 2, 2)
+            probed.gradient_accumulation_steps) == (4, 2, 2)
     # the 1-bit exchange is priced apart: the step is timed with the uncompressed optimizer
     assert probed.optimizer.type == "Adam" and probed.optimizer.params.lr == 3e-4
     assert probed.model == config.model and probed.data == config.data
@@ -40,9 +40,10 @@ def test_probe_config_keeps_the_per_device_batch_on_one_host_data_parallel():
 def test_step_efficiency_inverts_the_planners_compute_term(cluster_here):
     """A step that takes exactly what the planner prices at efficiency e gives back e."""
     config = probe_config(_config(), devices=cluster_here.devices, local=cluster_here.devices_per_host)
+    one = cluster_here.model_copy(update={"devices_per_host": 1})
     for e in (0.05, 0.3, 0.9):
-        priced = estimate(config, from_config(config, {"data": cluster_here.devices_per_host}),
-                          cluster_here.model_copy(update={"efficiency": e}))
+        priced = estimate(config, from_config(config, {"data": 1}),
+                          one.model_copy(update={"efficiency": e}))
         seconds = priced.compute_s + priced.comm_s + priced.host_s
         assert step_efficiency(config, seconds, cluster_here) == pytest.approx(e, rel=1e-9)
     assert step_efficiency(config, 1e-12, cluster_here) == 1.0  # faster than the peak: at most 1
@@ -53,12 +54,13 @@ def cluster_here():
     return calibrate(jax.devices()[:4], name="here", **QUICK)
 
 
-def test_step_probe_trains_the_model():
+def test_step_probe_trains_the_model_on_every_device():
     config = probe_config(_config(), devices=8, local=2)
     step = step_probe(config, jax.devices()[:2])
-    losses = [float(step()) for _ in range(4)]
-    assert all(math.isfinite(loss) for loss in losses)
-    assert losses[-1] < losses[0]  # the same batch: the state steps on
+    losses = [[float(loss) for loss in step()] for _ in range(4)]
+    assert all(math.isfinite(loss) for row in losses for loss in row)
+    assert losses[0][0] == losses[0][1]  # the same model and batch on each device ...
+    assert losses[-1][0] < losses[0][0]  # ... and the state steps on
 
 
 def test_calibrate_with_a_model_takes_efficiency_from_its_timed_step(monkeypatch):

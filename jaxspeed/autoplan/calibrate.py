@@ -28,6 +28,7 @@ from jaxspeed.config import Config
 from jaxspeed.errors import JaxspeedError
 
 _AXIS = "devices"
+_TINY = "_tiny"  #: the suffix of a latency probe's name (`_interleaved_medians`)
 _HOSTS, _LOCAL = "hosts", "local"  # the 2-D mesh of several hosts: across them, inside one
 #: Layers of the MLP whose training step gives `efficiency`.
 _LAYERS = 4
@@ -298,6 +299,10 @@ def _bare(large_s: float, tiny_s: float) -> float:
 def _interleaved_medians(probes: Mapping[str, _Probe], repeats: int) -> dict[str, float]:
     """Median wall seconds of each probe over `repeats` rounds that time every probe once.
 
+    A latency probe (a name ending in `_TINY`) keeps its fastest round instead: a one-float
+    message's time is the link's latency plus whatever stalls it, which only adds. Across a
+    tbf-shaped link the median of 5 rounds gave 1.1, 2.0, 7.8, 17 and 330 ms in five runs.
+
     Each probe first runs once to compile, then one whole round runs untimed, so the first
     timed round does not pay for cold caches, pages and threads (measured: the first
     all-gather after start-up moved 0.6-0.9 GB/s where the next moved 2-3). Taking every figure
@@ -312,7 +317,8 @@ def _interleaved_medians(probes: Mapping[str, _Probe], repeats: int) -> dict[str
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(samples[1:]) for name, samples in times.items()}
+    return {name: (min if name.endswith(_TINY) else statistics.median)(samples[1:])
+            for name, samples in times.items()}
 
 
 def _device_memory(device: jax.Device, host_memory: int) -> int:

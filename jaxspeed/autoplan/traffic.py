@@ -90,15 +90,17 @@ def _param(config: Any, name: str, default: Any) -> Any:
     return getattr(config.optimizer.params, name, default)
 
 
-def zero_one_fractions(config: Any, steps: int) -> tuple[float, float]:
+def zero_one_fractions(config: Any, steps: int, *, after: int = 0) -> tuple[float, float]:
     """(full-precision, 1-bit) all-reduces per step of 0/1 Adam, averaged over its phase.
 
     Steps are counted as DeepSpeed's `ZeroOneAdam.step` counts them; the phase is the one step
-    `steps` is in (after `var_freeze_step`: from the freeze to `steps`).
+    `steps` is in (after `var_freeze_step`: from the freeze to `steps`), from step `after + 1`
+    on where that is later.
     """
     p = {k: int(_param(config, k, v)) for k, v in ZERO_ONE_DEFAULTS.items()}
     freeze = p["var_freeze_step"]
     first, last = (freeze, steps) if steps > freeze else (0, max(1, steps))
+    first = max(first, min(after, last - 1))
     var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
     full = onebit = 0
     for step in range(1, last + 1):
@@ -126,7 +128,8 @@ def exchange_fractions(config: Any, optimizer: str, phase: str = "auto") -> tupl
     """(full-precision gradient all-reduces, 1-bit all-reduces) per step of `optimizer`.
 
     Args:
-      phase: "auto" (the phase a run of `config.steps` ends in), "warmup" or "compressed".
+      phase: "auto" (the second half of a run of `config.steps`, where throughput is measured
+        after start-up, within the phase the run ends in), "warmup" or "compressed".
     """
     if optimizer not in ONEBIT:
         return 1.0, 0.0
@@ -134,7 +137,7 @@ def exchange_fractions(config: Any, optimizer: str, phase: str = "auto") -> tupl
         freeze = int(_param(config, "var_freeze_step", ZERO_ONE_DEFAULTS["var_freeze_step"]))
         steps = {"auto": config.steps, "warmup": min(config.steps, freeze),
                  "compressed": max(config.steps, freeze + 1000)}[phase]
-        return zero_one_fractions(config, steps)
+        return zero_one_fractions(config, steps, after=steps // 2 if phase == "auto" else 0)
     compressed = phase == "compressed" or (
         phase == "auto" and config.steps > int(_param(config, "freeze_step", 100000)))
     return (0.0, 1.0) if compressed else (1.0, 0.0)
