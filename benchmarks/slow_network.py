@@ -15,7 +15,10 @@ quarter of the run, so every measured step is a compressed one (the planner pric
 half: `traffic.exchange_fractions`).
 
 Configurations, each beside its baseline: ZeRO-3 against ZeRO++ (qwZ + qgZ + hpZ), both bf16;
-AdamW against OneBitAdam and ZeroOneAdam; Lamb against OneBitLamb. A configuration this build
+AdamW against OneBitAdam and ZeroOneAdam; Lamb against OneBitLamb; and `configs/gpt_moe.yaml`
+with its expert axis across the hosts (`mesh.expert=4, mesh.data=1`), the flat all-to-all
+against the hierarchical one in chunks (`model.moe.all_to_all=hierarchical, a2a_chunks=auto`).
+A configuration this build
 does not have (its `optimizer.type` or switches are refused) is reported in one line and the
 rest still run. One JSON line per configuration as it ends, then a table (tokens/s, the
 planner's prediction and predicted/measured, the ratio to the baseline, the last step's loss
@@ -49,9 +52,12 @@ class Case:
     baseline: str | None
     features: tuple[str, ...] = ()
     tuning: tuple[str, ...] = ()
+    config: str | None = None  #: a config of its own (from the repository root), else --config
 
 
 _ZERO3 = ("zero_optimization.stage=3", "bf16.enabled=true")
+_MOE_CONFIG = "configs/gpt_moe.yaml"
+_MOE = ("mesh.expert=4", "mesh.data=1")
 CONFIGS: dict[str, Case] = {
     "zero3": Case(None, _ZERO3),
     "zeropp": Case("zero3", (*_ZERO3, "zero_optimization.zero_quantized_weights=true",
@@ -70,6 +76,11 @@ CONFIGS: dict[str, Case] = {
     "lamb": Case(None, ("optimizer.type=Lamb",)),
     "onebit_lamb": Case("lamb", ("optimizer.type=OneBitLamb",),
                         ("optimizer.params.freeze_step={freeze}",)),
+    # the MoE GPT with its 4 experts' axis across both hosts: today's flat all-to-all against
+    # the hierarchical one in chunks (issue 42)
+    "moe_flat": Case(None, tuning=_MOE, config=_MOE_CONFIG),
+    "moe_hier": Case("moe_flat", ("model.moe.all_to_all=hierarchical",
+                                  "model.moe.a2a_chunks=auto"), _MOE, config=_MOE_CONFIG),
 }
 #: compared beside their baselines too: the issue wants 0/1 Adam at least as fast as 1-bit Adam
 RIVALS = (("zero_one_adam", "onebit_adam"),)
@@ -127,6 +138,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def config_of(name: str, args) -> str:
+    """The config file a configuration trains: its own, else `--config`."""
+    own = CONFIGS[name].config
+    return args.config if own is None else str(jobs.ROOT / own)
+
+
 def overrides(name: str, args) -> list[str]:
     """The `--set`s of one configuration: its features, its tuning, then the user's."""
     case, freeze = CONFIGS[name], max(1, args.steps // 4)
@@ -143,11 +160,11 @@ def refusal(name: str, args) -> tuple[str | None, bool]:
 
     case = CONFIGS[name]
     try:
-        load_config(args.config, overrides=list(case.features))
+        load_config(config_of(name, args), overrides=list(case.features))
     except (JaxspeedError, ValueError) as err:
         return f"not in this build: {str(err).splitlines()[0][:200]}", False
     try:
-        load_config(args.config, overrides=overrides(name, args))
+        load_config(config_of(name, args), overrides=overrides(name, args))
     except (JaxspeedError, ValueError) as err:
         return f"refused: {str(err).splitlines()[0][:200]}", True
     return None, False
@@ -302,7 +319,7 @@ def train_one(link: SlowLink, row: Row, args, out: Path, port: int, label: str) 
     and its JSON line."""
     print(f"{label} {row.config}: training {args.steps} steps across the link ...", flush=True)
     start = time.perf_counter()
-    result, row.error = jobs.train(link, args.config, row.overrides, steps=args.steps,
+    result, row.error = jobs.train(link, config_of(row.config, args), row.overrides, steps=args.steps,
                                    devices=DEVICES_PER_HOST, out=out / row.config, port=port,
                                    timeout=args.timeout)
     row.wall_s = round(time.perf_counter() - start, 1)
@@ -327,7 +344,8 @@ def run_all(link: SlowLink, args, rows: dict[str, Row], out: Path) -> dict:
     for row in runnable:
         if note is None:
             predicted, row.prediction_note = jobs.predict(
-                args.config, row.overrides, cluster=cal.cluster, devices=DEVICES_PER_HOST,
+                config_of(row.config, args), row.overrides, cluster=cal.cluster,
+                devices=DEVICES_PER_HOST,
                 timeout=args.timeout)
             row.predicted_tokens_per_second = None if predicted is None else round(predicted, 1)
         else:

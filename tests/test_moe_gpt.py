@@ -112,3 +112,28 @@ def test_experts_not_divisible_by_the_expert_axis_is_a_clear_error():
                                   "model.moe={num_experts: 4, k: 1}"))
     with pytest.raises(ValueError, match="num_experts"):
         engine.init(jax.random.key(0))
+
+
+def test_balance_bias_trains_in_the_engine_and_checkpoints(tmp_path):
+    """ZeRO-3, expert-parallel: each step moves every selection bias by exactly +-rate (or 0)
+    and leaves the aux loss out of the loss; the bias is saved and restored with the params."""
+    rate = 0.01
+    engine = js.initialize(config(*EP4, "zero_optimization.stage=3", f"checkpoint.dir={tmp_path}",
+                                  "model.moe.balance=bias", f"model.moe.bias_update_rate={rate}"))
+    state = engine.init(jax.random.key(0))
+    biases = lambda s: np.asarray(jax.device_get(  # noqa: E731
+        s.params["layers"]["moe_block"]["moe"]["selection_bias"]))
+    assert biases(state).shape == (1, 4) and not biases(state).any()  # one MoE layer, 4 experts
+    state, history = train(engine, state, 3)
+    steps = np.round(biases(state) / rate)
+    np.testing.assert_allclose(biases(state), steps * rate, atol=1e-7)  # whole steps of rate
+    assert np.abs(steps).max() >= 1 and np.abs(steps).max() <= 3
+    assert all(h["aux_loss"] == 0 for h in history) and all(np.isfinite(h["loss"]) for h in history)
+    engine.save(state)
+    engine.checkpointer().wait()
+    np.testing.assert_array_equal(biases(engine.restore()), biases(state))
+
+
+def test_balance_bias_refuses_a_one_bit_optimizer():
+    with pytest.raises(js.ConfigError, match="model.moe.balance=bias does not go with"):
+        js.initialize(config(*EP4, "model.moe.balance=bias", "optimizer.type=OneBitAdam"))

@@ -135,11 +135,14 @@ MoeConfig = create_model(
     "MoeConfig",
     __base__=Section,
     __doc__=(
-        "`model.moe`: `jaxspeed.moe.MoE`'s options, and `every_n_layers` (1: every layer is "
-        "MoE; n: the n-th of every n). `d_ff` and `activation` default to the model's."
+        "`model.moe`: `jaxspeed.moe.MoE`'s options, `every_n_layers` (1: every layer is "
+        "MoE; n: the n-th of every n) and `bias_update_rate` (with `balance: bias`, the step "
+        "of DeepSeek-V3's sign rule; the optimizer applies it). `d_ff` and `activation` "
+        "default to the model's."
     ),
     num_experts=(Annotated[int, Field(strict=True)], ...),
     every_n_layers=(PositiveInt, 1),
+    bias_update_rate=(Annotated[float, Field(gt=0)], 1e-3),
     **{
         **_options(MoE, skip=_MOE_FIXED),
         "d_ff": (PositiveInt | None, None),
@@ -150,7 +153,7 @@ MoeConfig = create_model(
 
 def moe_layer_options(moe: Any, *, d_ff: int, mlp: str) -> dict[str, Any]:
     """The `MoE` keyword arguments of a `model.moe` block (defaults: the model's `d_ff`, `mlp`)."""
-    options = moe.model_dump(exclude={"every_n_layers"})
+    options = moe.model_dump(exclude={"every_n_layers", "bias_update_rate"})
     options["d_ff"] = options["d_ff"] or d_ff
     options["activation"] = options["activation"] or mlp
     return options

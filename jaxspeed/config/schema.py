@@ -367,6 +367,12 @@ class Config(_Section):
                 f"data.seq_len={self.data.seq_len} is longer than "
                 f"model.max_seq_len={self.model.max_seq_len}"
             )
+        moe = self.model.moe
+        if self.logging.sample_every_n_steps and moe is not None and moe.routing == "expert_choice":
+            raise ValueError(
+                "logging.sample_every_n_steps needs decoding, which model.moe.routing="
+                "expert_choice cannot do (each expert picks from the whole group, later tokens "
+                "included); set logging.sample_every_n_steps=0")
         return self
 
     def to_dict(self) -> dict[str, Any]:

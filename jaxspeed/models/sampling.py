@@ -66,6 +66,7 @@ def generate(
     """
     batch, length = prompt.shape
     check_request(length, max_new_tokens, model.max_seq_len, temperature, top_p)
+    check_causal(model)
     if key is None:
         if temperature != 0:
             raise ValueError("sampling with temperature > 0 needs a PRNG key")
@@ -115,6 +116,15 @@ def _fit_positions(params, length: int):
     rows = table.shape[0]
     table = table[:length] if rows >= length else jnp.pad(table, ((0, length - rows), (0, 0)))
     return {**params, "pos_embedding": table}
+
+
+def check_causal(model: nn.Module) -> None:
+    """Refuses a model whose routing looks at later tokens (`routing: expert_choice`)."""
+    if dict(getattr(model, "moe", None) or ()).get("routing") == "expert_choice":
+        raise ConfigError(
+            "this model cannot decode: model.moe.routing=expert_choice picks each expert's "
+            "tokens from the whole group, later tokens included, which one-token-at-a-time "
+            "decoding does not have; sample from a token_choice model")
 
 
 def check_request(prompt_len: int, max_new_tokens: int, max_seq_len: int, temperature: float,

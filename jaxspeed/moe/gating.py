@@ -189,7 +189,7 @@ def top_k_gating(logits, k: int, capacity_factor: float = 1.0, *, min_capacity: 
                  eval_capacity_factor: float | None = None, capacity: int | None = None,
                  normalize_gate: bool = True, noisy_gate_policy=None, rng=None,
                  gate_noise: float = 0.0, use_rts: bool = False, bpr: bool = False,
-                 z_loss_coef: float = 0.0) -> Routing:
+                 z_loss_coef: float = 0.0, selection_bias=None) -> Routing:
     """Routes each token to its top-k experts and assigns capacity slots (GShard/DeepSpeed).
 
     Args:
@@ -219,6 +219,9 @@ def top_k_gating(logits, k: int, capacity_factor: float = 1.0, *, min_capacity: 
       bpr: batch-prioritized routing: within each choice, tokens with the highest top-1
         probability get slots first (ties in token order).
       z_loss_coef: the router z-loss coefficient; `Routing.z_loss` is already scaled by it.
+      selection_bias: `[E]` or None: added to the scores that pick the experts, and to
+        nothing else (the weights stay the probabilities; DeepSeek-V3's balancing bias,
+        `jaxspeed.moe.balance`); no gradient flows into it.
 
     Returns:
       A `Routing`.
@@ -256,6 +259,8 @@ def top_k_gating(logits, k: int, capacity_factor: float = 1.0, *, min_capacity: 
     if training and policy == "RSample":
         gumbel = jax.random.gumbel(jax.random.fold_in(rng, _RSAMPLE_STREAM), logits.shape)
         scores = noisy + gumbel
+    if selection_bias is not None:
+        scores = scores + jax.lax.stop_gradient(selection_bias).astype(jnp.float32)
     _, expert_index = jax.lax.top_k(scores, k)
     expert_index = expert_index.astype(jnp.int32)
     picked = jnp.take_along_axis(gates, expert_index, axis=1)

@@ -24,6 +24,9 @@ import jax.numpy as jnp
 
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops.losses import AUX_LOSS  # one already-scaled scalar per MoE call, under "moe"
+from jaxspeed.moe.all_to_all import ALGORITHMS
+from jaxspeed.moe.balance import BIAS_PARAM
+from jaxspeed.moe.expert_choice import ROUTINGS
 from jaxspeed.moe.experts import ACTIVATIONS, ExpertParams, expert_ffn
 from jaxspeed.moe.gating import NOISY_GATE_POLICIES
 from jaxspeed.moe.parallel import GatingOptions, moe_ffn
@@ -33,6 +36,8 @@ from jaxspeed.moe.parallel import GatingOptions, moe_ffn
 METRICS = "intermediates"
 #: The rng stream for noisy gates and random token selection.
 GATING_RNG = "gating"
+#: `MoE.balance` values.
+BALANCES = ("aux_loss", "bias")
 
 
 def _normal(fan_in: int):
@@ -81,6 +86,26 @@ def check_options(options: Any) -> None:
     if options.use_rts and options.bpr and options.drop_tokens:
         raise ConfigError(
             "MoE.use_rts and MoE.bpr both set the slot order: set at most one to True")
+    if options.balance not in BALANCES:
+        raise ConfigError(f"MoE.balance must be one of {BALANCES}, got {options.balance!r}")
+    if options.routing not in ROUTINGS:
+        raise ConfigError(f"MoE.routing must be one of {ROUTINGS}, got {options.routing!r}")
+    if options.all_to_all not in ALGORITHMS:
+        raise ConfigError(
+            f"MoE.all_to_all must be one of {ALGORITHMS}, got {options.all_to_all!r}")
+    if options.a2a_hosts is not None:
+        positive_int("a2a_hosts", options.a2a_hosts)
+    chunks = options.a2a_chunks
+    if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ConfigError(f"MoE.a2a_chunks must be 'auto' or an int >= 1, got {chunks!r}")
+    if options.routing == "expert_choice":
+        clash = [name for name, on in (("drop_tokens=False", not options.drop_tokens),
+                                       ("dynamic_capacity=True", options.dynamic_capacity),
+                                       ("balance='bias'", options.balance == "bias")) if on]
+        if clash:
+            raise ConfigError(
+                f"MoE.routing='expert_choice' fills every expert's capacity by construction; "
+                f"it does not go with {', '.join(clash)}")
 
 
 class MoE(nn.Module):
@@ -122,7 +147,29 @@ class MoE(nn.Module):
       num_shared_experts: dense FFNs always applied and added to the output (DeepSeekMoE),
         stored fused as one FFN of hidden size `num_shared_experts * d_ff` (same math).
       activation: "relu", "gelu" (exact) or "swiglu".
-      aux_loss_coef: coefficient of GShard's balance loss in the sown aux loss.
+      aux_loss_coef: coefficient of GShard's balance loss in the sown aux loss (with
+        `balance="bias"` none is added; the balance loss is still logged in `METRICS`).
+      balance: "aux_loss" (GShard's loss) or "bias": DeepSeek-V3's per-expert bias on the
+        scores that pick the experts (`jaxspeed.moe.balance`), a param `selection_bias [E]`
+        whose cotangent is the step's expert load. The optimizer must move it by the sign
+        rule: wrap it with `jaxspeed.moe.balance.with_bias_update(tx, rate)` (the engine
+        does, with `model.moe.bias_update_rate`); a plain optimizer would treat the load as
+        a gradient.
+      routing: "token_choice" (each token picks its top-k experts) or "expert_choice" (each
+        expert picks its top-`C` tokens of the group, Zhou et al. 2022,
+        `jaxspeed.moe.expert_choice`); `C` is the capacity `k * capacity_factor * Tg / E`.
+        Not causal: a token's experts depend on later tokens of its group.
+      a2a_chunks: under expert parallelism, the capacity buffer goes to the experts in this
+        many chunks, each its own all-to-all, FFN and all-to-all back, so chunk i+1's exchange
+        can overlap chunk i's FFN where collectives run asynchronously (XLA:GPU); the same
+        result as 1. "auto": up to 4 chunks of at least 256 KiB each
+        (`jaxspeed.moe.parallel.a2a_chunk_count`).
+      all_to_all: "flat" or "hierarchical" (Tutel's 2D all-to-all,
+        `jaxspeed.moe.all_to_all`): inside each host first, then across hosts with one
+        message per device and host pair, so a slow link carries fewer, larger messages.
+        The same result as "flat".
+      a2a_hosts: the hosts the expert axis spans, for "hierarchical"; None: the processes
+        its devices belong to (an int emulates hosts within one process).
       z_loss_coef: coefficient of the router z-loss (ST-MoE).
       gate_noise: Tutel's gate noise std (times 1/E) on the logits.
       bpr: batch-prioritized routing (Tutel).
@@ -149,6 +196,11 @@ class MoE(nn.Module):
     num_shared_experts: int = 0
     activation: str = "gelu"
     aux_loss_coef: float = 0.01
+    balance: str = "aux_loss"
+    routing: str = "token_choice"
+    a2a_chunks: int | str = 1
+    all_to_all: str = "flat"
+    a2a_hosts: int | None = None
     z_loss_coef: float = 0.0
     gate_noise: float = 0.0
     bpr: bool = False
@@ -217,9 +269,16 @@ class MoE(nn.Module):
             drop_tokens=self.drop_tokens, use_rts=self.use_rts, gate_noise=self.gate_noise,
             bpr=self.bpr, normalize_gate=self.normalize_gate, z_loss_coef=self.z_loss_coef,
             activation=self.activation, impl=self.impl, eval_mode=deterministic,
-            dynamic_capacity=self.dynamic_capacity)
+            dynamic_capacity=self.dynamic_capacity, routing=self.routing,
+            a2a_chunks=self.a2a_chunks, all_to_all=self.all_to_all, a2a_hosts=self.a2a_hosts)
+        bias = None
+        if self.balance == "bias":
+            bias = self.param(BIAS_PARAM, nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                       (None,)),
+                              (self.num_experts,), jnp.float32)
         out = moe_ffn(h, gate_kernel, experts, opts=opts, num_groups=self.num_groups,
-                      rng=self._gating_rng(opts), expert_axis=self.expert_axis)
+                      rng=self._gating_rng(opts), expert_axis=self.expert_axis,
+                      selection_bias=bias)
         y = out.y.astype(jnp.float32)
 
         if self.use_residual:
@@ -241,7 +300,8 @@ class MoE(nn.Module):
             y = y + shared.astype(jnp.float32)
 
         balance = jnp.mean(out.aux_loss)
-        self.sow(AUX_LOSS, "moe", self.aux_loss_coef * balance + jnp.mean(out.z_loss))
+        aux_coef = self.aux_loss_coef if self.balance == "aux_loss" else 0.0
+        self.sow(AUX_LOSS, "moe", aux_coef * balance + jnp.mean(out.z_loss))
         self.sow(METRICS, "balance_loss", balance)
         self.sow(METRICS, "dropped_fraction", jnp.mean(out.dropped_fraction))
         self.sow(METRICS, "expert_counts", jnp.sum(out.expert_counts, axis=0))

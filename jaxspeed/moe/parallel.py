@@ -43,6 +43,9 @@ from jaxspeed.moe.experts import (
     expert_ffn,
     switch_on_capacity,
 )
+from jaxspeed.moe.all_to_all import hierarchical_all_to_all, spanned_hosts
+from jaxspeed.moe.balance import centered_load, report_load
+from jaxspeed.moe.expert_choice import expert_choice_gating
 from jaxspeed.moe.gating import Routing, gate_logits, top_k_gating
 
 #: `fold_in` stream of DeepSpeed's `Jitter` (gating.py uses streams 0-2 for the rest).
@@ -69,6 +72,10 @@ class GatingOptions:
     impl: str = "auto"
     eval_mode: bool = False
     dynamic_capacity: bool = False
+    routing: str = "token_choice"  #: or "expert_choice" (`jaxspeed.moe.expert_choice`)
+    a2a_chunks: int | str = 1  #: or "auto" (`a2a_chunk_count`)
+    all_to_all: str = "flat"  #: or "hierarchical" (`jaxspeed.moe.all_to_all`)
+    a2a_hosts: int | None = None  #: hosts the expert axis spans; None: its processes
 
     @property
     def needs_rng(self) -> bool:
@@ -81,7 +88,8 @@ class GatingOptions:
         names = []
         if self.noisy_gate_policy not in (None, "None"):
             names.append(f"noisy_gate_policy={self.noisy_gate_policy!r}")
-        if self.use_rts and self.drop_tokens:  # without drops the token order changes nothing
+        if self.use_rts and self.drop_tokens and self.routing == "token_choice":
+            # without drops the token order changes nothing; experts choosing have no order
             names.append("use_rts=True")
         if self.gate_noise > 0:
             names.append(f"gate_noise={self.gate_noise}")
@@ -125,8 +133,9 @@ def default_num_groups(expert_axis: str = "expert") -> int:
 
 
 def _route(x, gate_kernel, rng, group_ids, opts: GatingOptions,
-           capacity: int | None = None) -> Routing:
-    """Gates each group of `x [G_l, Tg, M]`; group `g` draws from `fold_in(rng, g)`."""
+           capacity: int | None = None, bias=None) -> Routing:
+    """Gates each group of `x [G_l, Tg, M]`; group `g` draws from `fold_in(rng, g)`; `bias`
+    is the balancing bias added to the scores that pick the experts."""
     use_rts = opts.use_rts and opts.drop_tokens
 
     def one(xg, gid):
@@ -134,12 +143,18 @@ def _route(x, gate_kernel, rng, group_ids, opts: GatingOptions,
         jitter_key = None if key is None else jax.random.fold_in(key, _JITTER_STREAM)
         logits = gate_logits(xg, gate_kernel, noisy_gate_policy=opts.noisy_gate_policy,
                              rng=jitter_key, eval_mode=opts.eval_mode)
+        if opts.routing == "expert_choice":
+            return expert_choice_gating(
+                logits, opts.k, opts.capacity_factor, min_capacity=opts.min_capacity,
+                eval_mode=opts.eval_mode, eval_capacity_factor=opts.eval_capacity_factor,
+                z_loss_coef=opts.z_loss_coef)
         return top_k_gating(
             logits, opts.k, opts.capacity_factor, min_capacity=opts.min_capacity,
             drop_tokens=opts.drop_tokens, eval_mode=opts.eval_mode,
             eval_capacity_factor=opts.eval_capacity_factor, normalize_gate=opts.normalize_gate,
             noisy_gate_policy=opts.noisy_gate_policy, rng=key, gate_noise=opts.gate_noise,
-            use_rts=use_rts, bpr=opts.bpr, z_loss_coef=opts.z_loss_coef, capacity=capacity)
+            use_rts=use_rts, bpr=opts.bpr, z_loss_coef=opts.z_loss_coef, capacity=capacity,
+            selection_bias=bias)
 
     return jax.vmap(one)(x, group_ids)
 
@@ -154,6 +169,61 @@ def _flat_routing(routing: Routing, num_experts: int) -> Routing:
         weight=routing.weight.reshape(groups * tokens, k))
 
 
+def a2a_chunk_count(chunks: int | str, slots: int, row_bytes: int, ep: int) -> int:
+    """The chunks the capacity buffer `[E, slots, M]` goes out in (`slots = G_l * C`).
+
+    `"auto"`: 1 without expert parallelism, else the most chunks, up to `MAX_AUTO_CHUNKS`,
+    that divide `slots` and leave each chunk's all-to-all at least `MIN_CHUNK_BYTES` (`row_bytes`
+    = `E * M * itemsize` per slot): below that a message pays more in latency than its overlap
+    hides. An int must divide `slots`.
+    """
+    if chunks == "auto":
+        if ep == 1:
+            return 1
+        fits = [n for n in range(1, MAX_AUTO_CHUNKS + 1)
+                if slots % n == 0 and slots // n * row_bytes >= MIN_CHUNK_BYTES]
+        return max(fits, default=1)
+    if slots % chunks:
+        raise ConfigError(
+            f"a2a_chunks={chunks} must divide the capacity buffer's {slots} slots per device "
+            f"(local groups x capacity); use a divisor of {slots} or 'auto'")
+    return chunks
+
+
+#: `a2a_chunks: auto`: at most this many chunks, each at least this many bytes.
+MAX_AUTO_CHUNKS, MIN_CHUNK_BYTES = 4, 256 * 1024
+
+
+def _exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: str | None,
+              ep: int):
+    """The experts' FFN on the dispatched buffer `[E, S, M]`, on the experts' owners.
+
+    The exchange is flat or, with `opts.all_to_all="hierarchical"`, inside each of the
+    `opts.a2a_hosts` hosts first and then across them (`hierarchical_all_to_all`).
+    With `opts.a2a_chunks` > 1 the `S` slots go out in that many chunks, each its own
+    all-to-all, FFN and all-to-all back: chunk i+1's exchange has no dependence on chunk i's
+    FFN, so a scheduler that runs collectives asynchronously (XLA:GPU's) overlaps them. The FFN
+    is row by row, so the result is the unchunked one.
+    """
+    row_bytes = buf.shape[0] * buf.shape[2] * buf.dtype.itemsize
+    chunks = a2a_chunk_count(opts.a2a_chunks, buf.shape[1], row_bytes, ep)
+
+    hosts = opts.a2a_hosts if opts.all_to_all == "hierarchical" else 1
+    exchange = functools.partial(hierarchical_all_to_all, axis=expert_axis, hosts=hosts or 1)
+
+    def one(part):
+        if ep > 1:
+            part = exchange(part, split_axis=0, concat_axis=1)
+        out = expert_ffn(part, experts, activation=opts.activation)
+        if ep > 1:
+            out = exchange(out, split_axis=1, concat_axis=0)
+        return out
+
+    if chunks == 1:
+        return one(buf)
+    return jnp.concatenate([one(part) for part in jnp.split(buf, chunks, axis=1)], axis=1)
+
+
 def _experts_via_buffers(x, routing: Routing, experts: ExpertParams, *, opts: GatingOptions,
                          expert_axis: str | None, ep: int):
     """Dispatch to `[E, G_l*C, M]`, all-to-all to the experts' owners, FFN, back, combine."""
@@ -165,19 +235,20 @@ def _experts_via_buffers(x, routing: Routing, experts: ExpertParams, *, opts: Ga
                    impl=opts.impl)  # [G_l*E, C, M]
     buf = buf.reshape(groups, num_experts, capacity, width).transpose(1, 0, 2, 3)
     buf = buf.reshape(num_experts, groups * capacity, width)
-    if ep > 1:
-        buf = jax.lax.all_to_all(buf, expert_axis, 0, 1, tiled=True)
-    out = expert_ffn(buf, experts, activation=opts.activation)
-    if ep > 1:
-        out = jax.lax.all_to_all(out, expert_axis, 1, 0, tiled=True)
+    out = _exchange(buf, experts, opts=opts, expert_axis=expert_axis, ep=ep)
     out = out.reshape(num_experts, groups, capacity, width).transpose(1, 0, 2, 3)
     return combine(out.reshape(groups * num_experts, capacity, width), flat, impl=opts.impl)
 
 
-def _local_moe(x, gate_kernel, experts: ExpertParams, rng, *, opts: GatingOptions,
+def _local_moe(x, gate_kernel, experts: ExpertParams, rng, bias=None, *, opts: GatingOptions,
                group_offset, expert_axis: str | None, ep: int,
                sync_axes: tuple[str, ...] = ()) -> MoEOutput:
     """The MoE on this device's groups `x [G_l, Tg, M]`; all-to-all over `expert_axis` if ep > 1.
+
+    With a balancing `bias` (`jaxspeed.moe.balance`), the bias joins the expert choice and the
+    groups' load becomes its cotangent: every device routes as many choices, so 1/n of each
+    device's centred share, summed over the `n` devices of `sync_axes` by `shard_map`'s
+    transpose, is the centred share of all groups, as one device holding them all reports.
 
     With `opts.dynamic_capacity` (training), the capacity is the smallest of a few static
     buckets (`capacity_buckets`, capped by `capacity_factor`) that holds the busiest expert of
@@ -187,7 +258,7 @@ def _local_moe(x, gate_kernel, experts: ExpertParams, rng, *, opts: GatingOption
     """
     groups, tokens, width = x.shape
     group_ids = group_offset + jnp.arange(groups, dtype=jnp.int32)
-    routing = _route(x, gate_kernel, rng, group_ids, opts)
+    routing = _route(x, gate_kernel, rng, group_ids, opts, bias=bias)
     run = functools.partial(_experts_via_buffers, experts=experts, opts=opts,
                             expert_axis=expert_axis, ep=ep)
     if not opts.drop_tokens and ep == 1:
@@ -204,7 +275,7 @@ def _local_moe(x, gate_kernel, experts: ExpertParams, rng, *, opts: GatingOption
             busiest = jax.lax.pmax(busiest, sync_axes)
 
         def at_capacity(x, capacity):
-            routed = _route(x, gate_kernel, rng, group_ids, opts, capacity=capacity)
+            routed = _route(x, gate_kernel, rng, group_ids, opts, capacity=capacity, bias=bias)
             return run(x, routed), routed.dropped_fraction
 
         # Counts, aux and z-loss do not depend on the capacity; the drops do.
@@ -212,12 +283,19 @@ def _local_moe(x, gate_kernel, experts: ExpertParams, rng, *, opts: GatingOption
         routing = routing._replace(dropped_fraction=dropped)
     else:
         y = run(x, routing)
+    if bias is not None:  # each device reports 1/n of its share: the sum is the global one
+        load = centered_load(routing.expert_counts)
+        if sync_axes:
+            load = load / jax.lax.psum(1, sync_axes)
+            bias = jax.lax.pcast(bias, sync_axes, to="varying")
+        y = report_load(y, bias, load.astype(bias.dtype))
     return MoEOutput(y, routing.aux_loss, routing.z_loss, routing.expert_counts,
                      routing.dropped_fraction)
 
 
 def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
-            num_groups: int | None = None, rng=None, expert_axis: str = "expert") -> MoEOutput:
+            num_groups: int | None = None, rng=None, expert_axis: str = "expert",
+            selection_bias=None) -> MoEOutput:
     """Routes `x` to the experts and back, per token group, expert-parallel under a mesh.
 
     Args:
@@ -230,6 +308,7 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
         Must be a multiple of the data-parallel size of the current mesh.
       rng: a PRNG key, needed when `opts.needs_rng`; group `g` uses `fold_in(rng, g)`.
       expert_axis: the mesh axis experts are sharded over.
+      selection_bias: `[E]` balancing bias (`jaxspeed.moe.balance`), or None.
 
     Returns:
       A `MoEOutput`.
@@ -255,24 +334,32 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
             f"axis {expert_axis!r}")
     if opts.needs_rng and rng is None:
         raise ValueError(f"routing with {', '.join(opts.random_features)} needs a PRNG key")
+    if opts.all_to_all == "hierarchical" and opts.a2a_hosts is None:
+        opts = dataclasses.replace(
+            opts, a2a_hosts=spanned_hosts(jax.sharding.get_abstract_mesh(), expert_axis))
+    if opts.all_to_all == "hierarchical" and ep > 1 and ep % opts.a2a_hosts:
+        raise ConfigError(
+            f"a2a_hosts={opts.a2a_hosts} must divide the size {ep} of the mesh axis "
+            f"{expert_axis!r} (the hierarchical all-to-all splits it into hosts x devices)")
     xg = x.reshape(groups, tokens // groups, width)
     if dp_size == 1:
-        out = _local_moe(xg, gate_kernel, experts, rng, opts=opts, group_offset=0,
-                         expert_axis=None, ep=1)
+        out = _local_moe(xg, gate_kernel, experts, rng, selection_bias, opts=opts,
+                         group_offset=0, expert_axis=None, ep=1)
         return out._replace(y=out.y.reshape(tokens, width))
 
     axes = tuple(dp)
     local_groups = groups // dp_size
 
-    def body(xl, kernel, local_experts, key):
+    def body(xl, kernel, local_experts, key, bias):
         offset = jax.lax.axis_index(axes) * local_groups
-        return _local_moe(xl, kernel, local_experts, key, opts=opts, group_offset=offset,
+        return _local_moe(xl, kernel, local_experts, key, bias, opts=opts, group_offset=offset,
                           expert_axis=expert_axis, ep=ep, sync_axes=axes)
 
     expert_spec = P(expert_axis) if expert_axis in dp else P()
     key_spec = None if rng is None else P()
+    bias_spec = None if selection_bias is None else P()
     out = jax.shard_map(
-        body, in_specs=(P(axes), P(), expert_spec, key_spec),
+        body, in_specs=(P(axes), P(), expert_spec, key_spec, bias_spec),
         out_specs=MoEOutput(P(axes), P(axes), P(axes), P(axes), P(axes)),
-        axis_names=frozenset(axes))(xg, gate_kernel, experts, rng)
+        axis_names=frozenset(axes))(xg, gate_kernel, experts, rng, selection_bias)
     return out._replace(y=out.y.reshape(tokens, width))

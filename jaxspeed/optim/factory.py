@@ -327,7 +327,10 @@ def build_optimizer(
 
     Returns:
       `(tx, schedule)`: `tx` is `chain(clip_by_global_norm(c), optimizer)` when `c > 0`, else
-      the optimizer; `schedule(step)` is the lr the optimizer uses at `step` (for logging).
+      the optimizer, and with `model.moe.balance: bias` that for every param but the MoE
+      selection biases, which move by DeepSeek-V3's sign rule
+      (`jaxspeed.moe.balance.with_bias_update`); `schedule(step)` is the lr the optimizer uses
+      at `step` (for logging).
 
     Raises:
       ConfigError: every invalid key of an untyped `config`'s three keys, in one message.
@@ -345,4 +348,14 @@ def build_optimizer(
     clip = config.gradient_clipping
     if clip > 0:
         tx = optax.chain(optax.identity() if clip_outside else optax.clip_by_global_norm(clip), tx)
+    moe = config.model.moe
+    if moe is not None and moe.balance == "bias":  # the selection biases move by the sign rule
+        from jaxspeed.moe.balance import with_bias_update
+
+        if config.optimizer.type in ONEBIT_TYPES:
+            raise ConfigError(
+                f"model.moe.balance=bias does not go with optimizer.type={config.optimizer.type}: "
+                f"the 1-bit exchange would compress the expert load the bias moves by; use "
+                f"balance=aux_loss or an uncompressed optimizer")
+        tx = with_bias_update(tx, moe.bias_update_rate)
     return tx, schedule

@@ -1,0 +1,75 @@
+"""The chunked MoE all-to-all as XLA:GPU schedules it, compiled for 8 H100s without a GPU:
+the exchanges are asynchronous (`all-to-all-start` ... `-done`) and, chunked, the expert
+FFN's matmuls of one chunk run inside another chunk's exchange."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gpu_compile import needs_gpu_compile
+from jaxspeed.moe.layer import MoE
+from jaxspeed.sharding.planner import plan_sharding
+
+TOKENS, WIDTH = 8 * 256, 512
+_START = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*? all-to-all-start\(")
+_DONE = re.compile(r" all-to-all-done\([^%]*%([^\s),]+)")
+_MATMUL = re.compile(r"gemm|cublas|= \S+ dot\(")
+
+
+def matmuls_inside_exchanges(hlo: str) -> tuple[int, int]:
+    """(asynchronous all-to-alls, matmuls scheduled between an all-to-all's start and done,
+    each counted once per exchange it is inside) in the entry computation's order."""
+    entry = hlo[hlo.index("ENTRY"):]
+    open_windows: dict[str, int] = {}
+    starts = inside = 0
+    for line in entry.splitlines():
+        if (start := _START.match(line)):
+            open_windows[start.group(1)] = 0
+            starts += 1
+        elif (done := _DONE.search(line)):
+            inside += open_windows.pop(done.group(1), 0)
+        elif " = " in line and _MATMUL.search(line):
+            for name in open_windows:
+                open_windows[name] += 1
+    return starts, inside
+
+
+def _compile(chunks: int) -> str:
+    from jaxspeed.gpu import deviceless
+
+    devices = deviceless.devices("h100", 8)
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,), devices=devices)
+    module = MoE(num_experts=8, d_ff=1024, k=2, capacity_factor=1.0, use_rts=False,
+                 a2a_chunks=chunks)
+    tokens = jnp.zeros((TOKENS, WIDTH), jnp.bfloat16)
+    boxed = jax.eval_shape(lambda: module.init({"params": jax.random.key(0)}, tokens,
+                                               deterministic=True))
+    shapes = nn.unbox(boxed)["params"]
+    with jax.set_mesh(mesh):
+        plan = plan_sharding(shapes, nn.get_partition_spec(boxed)["params"], mesh, stage=0)
+        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              shapes, plan.params)
+        x = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype,
+                                 sharding=NamedSharding(mesh, P("expert")))
+
+        def loss(p, x):
+            y = module.apply({"params": p}, x, deterministic=True)
+            return jnp.sum(y.astype(jnp.float32))
+
+        with jax.default_device(devices[0]):
+            return jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+
+
+@needs_gpu_compile
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_chunked_exchanges_overlap_the_expert_matmuls(chunks):
+    starts, inside = matmuls_inside_exchanges(_compile(1))
+    assert starts >= 2  # XLA:GPU runs the all-to-alls asynchronously ...
+    chunked_starts, chunked_inside = matmuls_inside_exchanges(_compile(chunks))
+    assert chunked_starts > starts  # ... more of them chunked ...
+    assert chunked_inside > inside + chunks  # ... with other chunks' matmuls inside them
