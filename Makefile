@@ -43,7 +43,7 @@ SMOKE      ?= tests/test_mesh.py tests/test_onebit.py tests/test_moe_parallel.py
               tests/test_packing.py::test_packed_row_equals_each_document_alone \
               tests/test_offload.py::test_host_update_matches_device_update \
               tests/test_autoplan_comm.py tests/test_params_checkpoint.py tests/test_profiler.py \
-              tests/test_matmul.py
+              tests/test_matmul.py tests/test_moe_routing_balance.py tests/test_step_probe.py
 test-jax-min: $(STAMP)
 	test -x $(VENV_MIN)/bin/python || $(PY) -m venv $(VENV_MIN)
 	$(VENV_MIN)/bin/python -m pip install --quiet --upgrade pip

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/moe_balance.py [--steps 100] [--every 25] [--quick]
 
 Trains `configs/gpt_moe.yaml` (expert 4 x data 2, ZeRO-3, 8 emulated CPU devices) twice from
-the same initialisation and data: `model.moe.balance: aux_loss` (the config's aux loss,
+the same initial weights and data: `model.moe.balance: aux_loss` (the config's aux loss,
 coefficient 0.01) and `balance: bias` (no aux loss; `bias_update_rate`, default 0.001). Every
 `--every` steps and at the end it measures, on held-out batches (deterministic routing, all of
 them one group, the params gathered to one device):
@@ -68,7 +68,11 @@ def held_out(engine, state, dataset) -> tuple[float, list[float]]:
     return float(np.mean(losses)), spreads
 
 
-def train(mode: str, args) -> list[dict]:
+def train(mode: str, args, start=None) -> tuple[list[dict], dict]:
+    """Trains one mode; returns its measurements and its initial params. `start`: another
+    mode's initial params, which this run starts from (the bias, which only this mode has,
+    at zero): the two runs then differ in their balancing alone. (At the same seed the GPT
+    with the extra bias param starts from other router and expert weights: measured.)"""
     import jax
 
     import jaxspeed as js
@@ -81,6 +85,12 @@ def train(mode: str, args) -> list[dict]:
     engine = js.initialize(config)
     dataset = TokenDataset.from_config(config.data, seed=config.seed)
     state = engine.init(jax.random.key(config.seed))
+    initial = jax.device_get(state.params)
+    if start is not None:
+        flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(start)}
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, v: flat.get(jax.tree_util.keystr(p), v), initial)
+        state = engine.init(jax.random.key(config.seed), params=params)
     rows = []
 
     def measure(step: int) -> None:
@@ -97,13 +107,16 @@ def train(mode: str, args) -> list[dict]:
         state, _ = engine.train_step(state, batch)
         if (step + 1) % args.every == 0 or step + 1 == args.steps:
             measure(step + 1)
-    return rows
+    return rows, initial
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     _common.use_cpu_devices()
-    runs = {mode: train(mode, args) for mode in MODES}
+    runs, start = {}, None
+    for mode in MODES:  # the same initial weights for both
+        runs[mode], initial = train(mode, args, start)
+        start = start or initial
     _common.print_table(
         ["step", *[f"{m} loss" for m in MODES], *[f"{m} spread" for m in MODES]],
         [[a["step"], a["eval_lm_loss"], b["eval_lm_loss"], a["load_spread"], b["load_spread"]]
