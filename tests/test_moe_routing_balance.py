@@ -59,6 +59,23 @@ def _grads(module, params, x):
     return fn(params, x)
 
 
+def _on_mesh_and_one_device(options, axes, **extra):
+    """`(on the mesh, on one device with num_groups=8, the mesh's compiled HLO)`, each
+    `((loss, (y, metrics)), (d params, d x))`, the same params on both."""
+    ref_module = MoE(num_groups=8, **options)
+    params = _params(ref_module)
+    ref = _grads(ref_module, jax.tree.map(jnp.asarray, params), jnp.asarray(X))
+    mesh = make_mesh(axes)
+    module = MoE(**options, **extra)
+    specs = nn.get_partition_spec(_abstract(module))["params"]
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(params, plan_sharding(params, specs, mesh, stage=0).params)
+        x = jax.device_put(X, NamedSharding(mesh, P(("data", "expert"))))
+        fn = jax.jit(jax.value_and_grad(functools.partial(_loss, module), argnums=(0, 1),
+                                        has_aux=True))
+        return fn(placed, x), ref, fn.lower(placed, x).compile().as_text()
+
+
 # -- expert choice -----------------------------------------------------------------------------
 
 EC = dict(num_experts=E, d_ff=H, k=2, capacity_factor=1.0, min_capacity=1,
@@ -114,18 +131,7 @@ def test_expert_choice_equals_the_dense_reference_forward_and_gradients():
 
 @pytest.mark.parametrize("axes", [{"expert": 8}, {"data": 2, "expert": 4}])
 def test_expert_choice_expert_parallel_equals_one_device(axes):
-    ref_module = MoE(num_groups=8, **EC)
-    params = _params(ref_module)
-    ref = _grads(ref_module, jax.tree.map(jnp.asarray, params), jnp.asarray(X))
-    mesh = make_mesh(axes)
-    module = MoE(**EC)
-    specs = nn.get_partition_spec(_abstract(module))["params"]
-    with jax.set_mesh(mesh):
-        placed = jax.device_put(params, plan_sharding(params, specs, mesh, stage=0).params)
-        x = jax.device_put(X, NamedSharding(mesh, P(("data", "expert"))))
-        out = _grads(module, placed, x)
-    (_, (y, _)), grads = out
-    (_, (ref_y, _)), ref_grads = ref
+    ((_, (y, _)), grads), ((_, (ref_y, _)), ref_grads), _ = _on_mesh_and_one_device(EC, axes)
     assert_close((y, grads), (ref_y, ref_grads), rtol=RTOL)
 
 
@@ -182,17 +188,7 @@ def test_balance_bias_adds_no_aux_loss_and_reports_the_load_as_the_bias_cotangen
 
 @pytest.mark.parametrize("axes", [{"data": 8}, {"data": 2, "expert": 4}])
 def test_the_load_cotangent_is_the_same_on_every_layout(axes):
-    ref_module = MoE(num_groups=8, **BIAS)
-    params = _params(ref_module)
-    ref = _grads(ref_module, jax.tree.map(jnp.asarray, params), jnp.asarray(X))
-    mesh = make_mesh(axes)
-    module = MoE(**BIAS)
-    specs = nn.get_partition_spec(_abstract(module))["params"]
-    with jax.set_mesh(mesh):
-        placed = jax.device_put(params, plan_sharding(params, specs, mesh, stage=0).params)
-        x = jax.device_put(X, NamedSharding(mesh, P(("data", "expert"))))
-        (_, (y, _)), grads = _grads(module, placed, x)
-    (_, (ref_y, _)), ref_grads = ref
+    ((_, (y, _)), grads), ((_, (ref_y, _)), ref_grads), _ = _on_mesh_and_one_device(BIAS, axes)
     assert_close((y, grads), (ref_y, ref_grads), rtol=RTOL)
 
 
@@ -300,20 +296,8 @@ EP = dict(num_experts=E, d_ff=H, k=2, capacity_factor=1.0, min_capacity=1, gate_
      "collective-permute", None),
 ])
 def test_chunked_and_hierarchical_exchanges_equal_one_device(axes, extra, collective, count):
-    ref_module = MoE(num_groups=8, **EP)
-    params = _params(ref_module)
-    (_, (ref_y, ref_metrics)), ref_grads = _grads(ref_module, jax.tree.map(jnp.asarray, params),
-                                                  jnp.asarray(X))
-    mesh = make_mesh(axes)
-    module = MoE(**EP, **extra)
-    specs = nn.get_partition_spec(_abstract(module))["params"]
-    with jax.set_mesh(mesh):
-        placed = jax.device_put(params, plan_sharding(params, specs, mesh, stage=0).params)
-        x = jax.device_put(X, NamedSharding(mesh, P(("data", "expert"))))
-        fn = jax.jit(jax.value_and_grad(functools.partial(_loss, module), argnums=(0, 1),
-                                        has_aux=True))
-        (_, (y, metrics)), grads = fn(placed, x)
-        hlo = fn.lower(placed, x).compile().as_text()
+    out, ref, hlo = _on_mesh_and_one_device(EP, axes, **extra)
+    ((_, (y, metrics)), grads), ((_, (ref_y, ref_metrics)), ref_grads) = out, ref
     chex.assert_trees_all_equal(metrics["expert_counts"], ref_metrics["expert_counts"])
     assert_close((y, grads), (ref_y, ref_grads), rtol=RTOL)
     ops = [op.kind for op in collectives(hlo, num_devices=8) for _ in range(op.executions)]
