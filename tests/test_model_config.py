@@ -53,7 +53,8 @@ def test_moe_config_has_the_layers_options_and_defaults():
     layer = {f.name: f.default for f in dataclasses.fields(MoE)
              if f.name not in ("expert_axis", "param_dtype", "dtype", "parent", "name")}
     config = MoeConfig.model_fields
-    assert set(config) == set(layer) | {"every_n_layers"}
+    # `bias_update_rate` is the optimizer's (the sign rule's step), not the layer's
+    assert set(config) == set(layer) | {"every_n_layers", "bias_update_rate"}
     for name, default in layer.items():
         if name not in ("num_experts", "d_ff", "activation"):  # required / the model's
             assert config[name].default == default, name

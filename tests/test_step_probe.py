@@ -77,14 +77,22 @@ def test_calibrate_with_a_model_takes_efficiency_from_its_timed_step(monkeypatch
     assert config.mesh.hosts == 1 and seconds > 0 and 0 < mlp <= 1
 
 
-def test_cli_calibrate_config_writes_the_models_efficiency(tmp_path, capsys):
+def test_cli_calibrate_config_hands_the_model_over_and_says_so(tmp_path, monkeypatch):
+    seen = {}
+
+    def measured(**options):  # the measuring itself is tested above, on 2 devices
+        seen.update(options)
+        return calibrate(jax.devices()[:2], **QUICK)
+
+    monkeypatch.setattr(calibrate_module, "calibrate", measured)
     out = tmp_path / "here.yaml"
     sets = [a for s in SMALL for a in ("--set", s)]
-    assert cli(["calibrate", "--out", str(out), "--repeats", "1", "--matmul-size", "128",
-                "--collective-mib", "1", "--config", "configs/gpt_tiny.yaml", *sets]) == 0
-    assert 0 < load_cluster(out).efficiency <= 1
+    assert cli(["calibrate", "--out", str(out), "--repeats", "1", "--config",
+                "configs/gpt_tiny.yaml", *sets]) == 0
+    assert seen["model"] == _config() and seen["repeats"] == 1
     assert ("# efficiency: a training step of the model of configs/gpt_tiny.yaml --set "
             "model.d_model=64") in out.read_text()
+    assert 0 < load_cluster(out).efficiency <= 1
     main(tmp_path / "mlp.yaml", **QUICK)
     assert "# efficiency: a 4-layer MLP's training step." in (tmp_path / "mlp.yaml").read_text()
 
