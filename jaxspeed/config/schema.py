@@ -31,6 +31,7 @@ from jaxspeed.config.fields import Section as _Section
 from jaxspeed.config.fields import not_bool as _not_bool
 from jaxspeed.config.fields import whole_number as _whole_number
 from jaxspeed.config.model import ModelConfig
+from jaxspeed.config.optimizer import ONEBIT_TYPES
 from jaxspeed.config.optimizer import (
     AdamWConfig,
     ConstantConfig,
@@ -373,6 +374,11 @@ class Config(_Section):
                 "logging.sample_every_n_steps needs decoding, which model.moe.routing="
                 "expert_choice cannot do (each expert picks from the whole group, later tokens "
                 "included); set logging.sample_every_n_steps=0")
+        if moe is not None and moe.balance == "bias" and self.optimizer.type in ONEBIT_TYPES:
+            raise ValueError(
+                f"model.moe.balance=bias does not go with optimizer.type={self.optimizer.type}: "
+                f"the 1-bit exchange would compress the expert load the bias moves by; use "
+                f"balance=aux_loss or an uncompressed optimizer")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -352,10 +352,5 @@ def build_optimizer(
     if moe is not None and moe.balance == "bias":  # the selection biases move by the sign rule
         from jaxspeed.moe.balance import with_bias_update
 
-        if config.optimizer.type in ONEBIT_TYPES:
-            raise ConfigError(
-                f"model.moe.balance=bias does not go with optimizer.type={config.optimizer.type}: "
-                f"the 1-bit exchange would compress the expert load the bias moves by; use "
-                f"balance=aux_loss or an uncompressed optimizer")
         tx = with_bias_update(tx, moe.bias_update_rate)
     return tx, schedule
