@@ -15,7 +15,9 @@ no more (every figure per device, per optimizer step):
 - **Compute.** 6 FLOPs per parameter per token for the matmuls (8 with full remat, which runs
   the forward twice) plus attention's 12·L·d per token and layer, divided over the devices
   that split the work, at the cluster's peak x its efficiency; plus each micro-step's two
-  reads of the local weights at the memory bandwidth.
+  reads of the local weights, and the optimizer's update of the local shard
+  (`jaxspeed.autoplan.update_cost`: XLA's bytes per parameter of that optimizer in the priced
+  phase), at the memory bandwidth.
 - **Communication.** The data-parallel collectives of `jaxspeed.autoplan.traffic` (ZeRO
   stages, ZeRO++'s switches, the 1-bit optimizers' compressed exchange); per micro-step,
   tensor parallelism's 4 all-reduces of the activations per layer (6 with full remat),
@@ -41,6 +43,7 @@ from typing import Any
 from jaxspeed.autoplan import comm, traffic
 from jaxspeed.autoplan.traffic import param_counts
 from jaxspeed.autoplan.space import ON_HOST, Candidate
+from jaxspeed.autoplan.update_cost import update_seconds
 from jaxspeed.config import Config
 from jaxspeed.ops.precision import compute_dtype
 
@@ -104,7 +107,7 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
     """The analytic cost of `plan` for `config`'s model on `cluster` (`Cluster`).
 
     Args:
-      optimizer: price this optimizer type's communication instead of the config's.
+      optimizer: price this optimizer type's communication and update instead of the config's.
       phase: the phase of a 1-bit optimizer to price (`traffic.exchange_fractions`).
     """
     m, s = config.model, plan.sizes
@@ -159,7 +162,10 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
     # every micro-step reads the local weights twice (forward, backward) from memory: what
     # accumulation costs beyond its FLOPs
     weights = 2 * plan.accumulation * 4 * params_here / (cluster.memory_bandwidth_gbps * 1e9)
-    compute = flops / (cluster.peak_flops(dtype.name) * cluster.efficiency) + weights
+    update = 0.0 if "opt_state" in on_host else update_seconds(  # the host's is not timed
+        config, params=params_here / (zero if plan.stage >= 1 else 1),
+        bandwidth_gbps=cluster.memory_bandwidth_gbps, optimizer=optimizer, phase=phase)
+    compute = flops / (cluster.peak_flops(dtype.name) * cluster.efficiency) + weights + update
     bubble = 0.0
     if pipe > 1:
         micro = plan.accumulation * (config.pipeline.virtual_stages if plan.schedule == "interleaved" else 1)

@@ -26,6 +26,7 @@ import numpy as np
 from jaxspeed.autoplan.cluster import Cluster
 from jaxspeed.autoplan.estimate import estimate
 from jaxspeed.autoplan.space import from_config
+from jaxspeed.autoplan.update_cost import replace_optimizer
 from jaxspeed.config import Config, load_config
 from jaxspeed.config.optimizer import ONEBIT_TYPES
 from jaxspeed.config.sizes import resolve_batch
@@ -51,8 +52,7 @@ def probe_config(config: Config, *, devices: int, local: int) -> Config:
         f"gradient_accumulation_steps={batch.accumulation_steps}",
     ]
     if config.optimizer.type in ONEBIT_TYPES:
-        lr = config.optimizer.params.lr
-        sets.append(f"optimizer={{type: {_UNCOMPRESSED[config.optimizer.type]}, params: {{lr: {lr}}}}}")
+        sets.append(replace_optimizer(config, _UNCOMPRESSED[config.optimizer.type]))
     return load_config(config, overrides=sets)
 
 
