@@ -17,7 +17,9 @@ half: `traffic.exchange_fractions`).
 Configurations, each beside its baseline: ZeRO-3 against ZeRO++ (qwZ + qgZ + hpZ), both bf16;
 AdamW against OneBitAdam and ZeroOneAdam; Lamb against OneBitLamb; and `configs/gpt_moe.yaml`
 with its expert axis across the hosts (`mesh.expert=4, mesh.data=1`), the flat all-to-all
-against the hierarchical one in chunks (`model.moe.all_to_all=hierarchical, a2a_chunks=auto`).
+against the hierarchical one in chunks (`model.moe.all_to_all=hierarchical, a2a_chunks=auto`),
+and against Tutel's other strategies over the same experts (`model.moe.parallelism`: `data`,
+`expert_data`, and `auto` priced on the calibrated link).
 A configuration this build
 does not have (its `optimizer.type` or switches are refused) is reported in one line and the
 rest still run. One JSON line per configuration as it ends, then a table (tokens/s, the
@@ -47,7 +49,8 @@ from _slow_link import LinkUnavailable, SlowLink, unavailable  # noqa: E402
 @dataclass(frozen=True)
 class Case:
     """A configuration: `features` make it what it is (refused by a build without them),
-    `tuning` sizes it for the run (`{freeze}`: a quarter of the steps)."""
+    `tuning` sizes it for the run (`{freeze}`: a quarter of the steps; `{cluster}`: the
+    calibrated cluster file, null before or without one)."""
 
     baseline: str | None
     features: tuple[str, ...] = ()
@@ -81,6 +84,14 @@ CONFIGS: dict[str, Case] = {
     "moe_flat": Case(None, tuning=_MOE, config=_MOE_CONFIG),
     "moe_hier": Case("moe_flat", ("model.moe.all_to_all=hierarchical",
                                   "model.moe.a2a_chunks=auto"), _MOE, config=_MOE_CONFIG),
+    # Tutel's strategies over the same stored experts (`jaxspeed.moe.strategies`); auto prices
+    # them on the calibrated link (`{cluster}`: calibrate's file)
+    "moe_data": Case("moe_flat", ("model.moe.parallelism=data",), _MOE, config=_MOE_CONFIG),
+    "moe_expert_data": Case("moe_flat", ("model.moe.parallelism=expert_data",), _MOE,
+                            config=_MOE_CONFIG),
+    "moe_auto": Case("moe_flat", ("model.moe.parallelism=auto", "model.moe.all_to_all=hierarchical",
+                                  "model.moe.a2a_chunks=auto"),
+                     (*_MOE, "model.moe.cluster={cluster}"), config=_MOE_CONFIG),
 }
 #: compared beside their baselines too: the issue wants 0/1 Adam at least as fast as 1-bit Adam
 RIVALS = (("zero_one_adam", "onebit_adam"),)
@@ -147,7 +158,9 @@ def config_of(name: str, args) -> str:
 def overrides(name: str, args) -> list[str]:
     """The `--set`s of one configuration: its features, its tuning, then the user's."""
     case, freeze = CONFIGS[name], max(1, args.steps // 4)
-    return [*case.features, *(s.format(freeze=freeze) for s in case.tuning), *args.set]
+    cluster = getattr(args, "cluster", None) or "null"
+    return [*case.features, *(s.format(freeze=freeze, cluster=cluster) for s in case.tuning),
+            *args.set]
 
 
 def refusal(name: str, args) -> tuple[str | None, bool]:
@@ -341,7 +354,9 @@ def run_all(link: SlowLink, args, rows: dict[str, Row], out: Path) -> dict:
     ports = iter(range(_PORT, _PORT + 1000))  # a fresh coordinator port for each job
     figures, cal, note = measure_link(link, args, out, next(ports))
     runnable = [r for r in rows.values() if r.error is None]
+    args.cluster = None if note else cal.cluster
     for row in runnable:
+        row.overrides = overrides(row.config, args)
         if note is None:
             predicted, row.prediction_note = jobs.predict(
                 config_of(row.config, args), row.overrides, cluster=cal.cluster,

@@ -6,13 +6,14 @@ that must precede any JAX computation, and hands the arguments to the command's 
 import-hf, sample; `data.py`: tokenize, tokenizer). JAX is imported only after the flags are
 read, so `--cpu-devices` can still set the number of emulated CPU devices. Errors caused by
 input are printed as one line, with exit code 2; warnings as one line each
-(`warning_lines.py`); Ctrl-C outside the training steps (start-up, compiling, a search) as
+(`warning_lines.py`), and so are the library's INFO log lines (logger `jaxspeed`); Ctrl-C outside the training steps (start-up, compiling, a search) as
 one line, with exit code 130 (during the steps the training loop saves first and exits
 128 + the signal's number).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from jaxspeed.cli import checkpoints, data, plan, run
@@ -25,6 +26,7 @@ INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C stopped
 def main(argv: list[str] | None = None) -> int:
     """Runs one `jaxspeed` command; returns its process exit code."""
     args = build_parser().parse_args(argv)
+    _info_lines()
     with one_line(args.command):
         try:
             return _run(args)
@@ -32,6 +34,25 @@ def main(argv: list[str] | None = None) -> int:
             saved = " (nothing saved)" if args.command == "train" else ""
             print(f"jaxspeed {args.command}: interrupted{saved}", file=sys.stderr, flush=True)
             return INTERRUPTED
+
+
+def _first_process(record: logging.LogRecord) -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _info_lines() -> None:
+    """The library's INFO log lines (such as MoE `parallelism: auto`'s choice) on stderr, one
+    line each, from the first process only."""
+    logger = logging.getLogger("jaxspeed")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("jaxspeed: %(message)s"))
+    handler.addFilter(_first_process)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def _run(args) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 from jaxspeed.cost.hlo import (
     Instruction, array_bytes, branches, callees, collective_bytes, collective_kind,
-    cross_host_bytes, operands, parse, parse_dot, to_apply, trip_count,
+    cross_host_bytes, cross_host_messages, operands, parse, parse_dot, to_apply, trip_count,
 )
 from jaxspeed.cost.peaks import peak_flops
 from jaxspeed.cost.report import ProfileReport
@@ -282,5 +282,7 @@ def step_profile(
         "device_kind": device_kind,
         "collective_bytes": collective_bytes(text, num_devices=num_devices),
         "cross_host_bytes": cross_host_bytes(
+            text, num_devices=num_devices, host_of=host_of or [0] * num_devices),
+        "cross_host_messages": cross_host_messages(
             text, num_devices=num_devices, host_of=host_of or [0] * num_devices),
     }

@@ -322,6 +322,30 @@ def cross_host_bytes(
     return totals
 
 
+def cross_host_messages(
+    hlo_text: str, *, num_devices: int, host_of: Sequence[int]
+) -> dict[str, int]:
+    """Messages the busiest device sends to other hosts per run, by the point-to-point kinds
+    whose message count is the program's own: `all-to-all` (one to each member of its group on
+    another host) and `collective-permute` (one where its target is on another host). Rings
+    (all-gather, reduce-scatter, all-reduce) are the library's choice and are not counted.
+
+    Args and hosts as for `cross_host_bytes`. Returns `{"all-to-all": n,
+    "collective-permute": n}`.
+    """
+    counts = {"all-to-all": 0, "collective-permute": 0}
+    for op in collectives(hlo_text, num_devices=num_devices):
+        if op.kind not in counts or not op.groups:
+            continue
+        if op.kind == "collective-permute":
+            sent = max((host_of[a] != host_of[b] for a, b in op.groups), default=False)
+        else:
+            sent = max(sum(host_of[m] != host_of[d] for m in group)
+                       for group in op.groups for d in group)
+        counts[op.kind] += int(sent) * op.executions
+    return counts
+
+
 @dataclasses.dataclass(frozen=True)
 class Dot:
     """One `dot` instruction of a compiled program: what it multiplies on each device, and how

@@ -21,6 +21,8 @@ class ProfileReport(TypedDict):
     collective_bytes: dict[str, int]  #: per collective kind and `total`, per device
     #: the part of `collective_bytes` in collectives whose device groups span hosts
     cross_host_bytes: dict[str, int]
+    #: messages the busiest device sends across hosts, all-to-all and collective-permute
+    cross_host_messages: dict[str, int]
 
 
 def _fmt(value) -> str:
@@ -105,7 +107,9 @@ def format_profile(profile: ProfileReport) -> list[str]:
     across = profile.get("cross_host_bytes") or {"total": 0}
     if across["total"]:
         lines.append("  of which in collectives across hosts:")
+        messages = profile.get("cross_host_messages") or {}
         lines += [f"    {kind:32s} {format_bytes(across[kind]):>12s}"
+                  + (f" in {messages[kind]} messages" if messages.get(kind) else "")
                   for kind in COLLECTIVES if across[kind]]
     return lines
 

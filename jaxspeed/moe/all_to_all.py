@@ -92,10 +92,64 @@ def hierarchical_all_to_all(x, axis: str, split_axis: int, concat_axis: int, *, 
         arrived.append(_shift(jnp.take(held, (h + e) % hosts, axis=1), axis, pairs))
     got = jnp.take(jnp.stack(arrived), (h - jnp.arange(hosts)) % hosts, axis=0)
     got = got.reshape(n, *chunk_shape)  # source s = h_s * L + l_s, in order
+    return _concatenate_sources(got, split_axis, concat_axis)
 
-    # concatenate the n sources' chunks along concat_axis, as the flat all-to-all does
+
+def _concatenate_sources(got, split_axis: int, concat_axis: int):
+    """`got [sources, *chunk]` (each chunk `x`'s shape with `split_axis` cut, moved first)
+    concatenated along `concat_axis` in source order, as `all_to_all` delivers them."""
     blocks = jnp.moveaxis(got, 1, split_axis + 1)  # [n, *x.shape with split_axis cut n-fold]
     stacked = jnp.moveaxis(blocks, 0, concat_axis)  # the sources just before concat_axis
     shape = stacked.shape
     return stacked.reshape(*shape[:concat_axis], shape[concat_axis] * shape[concat_axis + 1],
                            *shape[concat_axis + 2:])
+
+
+def within_host_all_to_all(x, axis: str, split_axis: int, concat_axis: int, *, hosts: int):
+    """The tiled all-to-all among the devices of each host only: device `(h, l)` sends chunk
+    `l'` of `x` (split `per_host` ways) to `(h, l')`; nothing crosses a host.
+
+    Args:
+      x: this device's array; `x.shape[split_axis]` divisible by `per_host = n / hosts`.
+      axis: a manual mesh axis of `hosts * per_host` devices, host-major.
+      hosts: the hosts the axis spans; 1 is the all-to-all over the whole axis.
+    """
+    n = jax.lax.axis_size(axis)
+    per_host = n // hosts
+    if per_host == 1:
+        return x
+    if hosts == 1:
+        return jax.lax.all_to_all(x, axis, split_axis, concat_axis, tiled=True)
+    local = jax.lax.axis_index(axis) % per_host
+    chunks = jnp.moveaxis(x, split_axis, 0)
+    chunks = chunks.reshape(per_host, chunks.shape[0] // per_host, *chunks.shape[1:])
+    arrived = []  # at shift d: to local (l + d) % L, from local (l - d) % L
+    for d in range(per_host):
+        pairs = [(g * per_host + i, g * per_host + (i + d) % per_host)
+                 for g in range(hosts) for i in range(per_host)]
+        arrived.append(_shift(jnp.take(chunks, (local + d) % per_host, axis=0), axis, pairs))
+    got = jnp.take(jnp.stack(arrived), (local - jnp.arange(per_host)) % per_host, axis=0)
+    return _concatenate_sources(got, split_axis, concat_axis)
+
+
+def gather_across_hosts(x, axis: str, *, hosts: int):
+    """`x [k, ...]` of the devices with this device's local index on every host, in host
+    order: `[hosts * k, ...]` (an all-gather over the host part of `axis`; its gradient sends
+    each host's share back and sums it, a reduce-scatter).
+
+    Args:
+      x: this device's array.
+      axis: a manual mesh axis of `hosts * per_host` devices, host-major.
+      hosts: the hosts the axis spans (dividing its size).
+    """
+    if hosts == 1:
+        return x
+    per_host = jax.lax.axis_size(axis) // hosts
+    host = jax.lax.axis_index(axis) // per_host
+    arrived = []  # at shift e: from host (h - e) % H
+    for e in range(hosts):
+        pairs = [(g * per_host + i, ((g + e) % hosts) * per_host + i)
+                 for g in range(hosts) for i in range(per_host)]
+        arrived.append(_shift(x, axis, pairs))
+    got = jnp.take(jnp.stack(arrived), (host - jnp.arange(hosts)) % hosts, axis=0)
+    return got.reshape(hosts * x.shape[0], *x.shape[1:])

@@ -30,6 +30,7 @@ from jaxspeed.moe.expert_choice import ROUTINGS
 from jaxspeed.moe.experts import ACTIVATIONS, ExpertParams, expert_ffn
 from jaxspeed.moe.gating import NOISY_GATE_POLICIES
 from jaxspeed.moe.parallel import GatingOptions, moe_ffn
+from jaxspeed.moe.strategies import PARALLELISMS
 
 #: Flax collection of routing metrics: "dropped_fraction", "expert_counts", "balance_loss"
 #: (Flax's own `sow` default, which trainers leave immutable).
@@ -95,6 +96,9 @@ def check_options(options: Any) -> None:
             f"MoE.all_to_all must be one of {ALGORITHMS}, got {options.all_to_all!r}")
     if options.a2a_hosts is not None:
         positive_int("a2a_hosts", options.a2a_hosts)
+    if options.parallelism not in PARALLELISMS:
+        raise ConfigError(
+            f"MoE.parallelism must be one of {PARALLELISMS}, got {options.parallelism!r}")
     chunks = options.a2a_chunks
     if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise ConfigError(f"MoE.a2a_chunks must be 'auto' or an int >= 1, got {chunks!r}")
@@ -168,8 +172,17 @@ class MoE(nn.Module):
         `jaxspeed.moe.all_to_all`): inside each host first, then across hosts with one
         message per device and host pair, so a slow link carries fewer, larger messages.
         The same result as "flat".
-      a2a_hosts: the hosts the expert axis spans, for "hierarchical"; None: the processes
-        its devices belong to (an int emulates hosts within one process).
+      a2a_hosts: the hosts the expert axis spans, for "hierarchical" and the parallelism
+        strategies; None: the processes its devices belong to (an int emulates hosts within
+        one process).
+      parallelism: what moves over the expert axis (Tutel's adaptive parallelism,
+        `jaxspeed.moe.strategies`), from the same stored experts: "expert" (the tokens, by
+        all-to-all), "data" (every expert's weights, gathered; the tokens stay),
+        "expert_data" (the weights across hosts, the tokens inside each host), or "auto":
+        per capacity (per step with `dynamic_capacity`), the cheapest by the cost model on
+        `cluster`'s links, logged (logger `jaxspeed.moe.strategies`). The same result.
+      cluster: a cluster file (`jaxspeed calibrate`'s output) or preset whose links
+        `parallelism="auto"` prices the strategies with; None: every byte costs the same.
       z_loss_coef: coefficient of the router z-loss (ST-MoE).
       gate_noise: Tutel's gate noise std (times 1/E) on the logits.
       bpr: batch-prioritized routing (Tutel).
@@ -201,6 +214,8 @@ class MoE(nn.Module):
     a2a_chunks: int | str = 1
     all_to_all: str = "flat"
     a2a_hosts: int | None = None
+    parallelism: str = "expert"
+    cluster: str | None = None
     z_loss_coef: float = 0.0
     gate_noise: float = 0.0
     bpr: bool = False
@@ -270,7 +285,8 @@ class MoE(nn.Module):
             bpr=self.bpr, normalize_gate=self.normalize_gate, z_loss_coef=self.z_loss_coef,
             activation=self.activation, impl=self.impl, eval_mode=deterministic,
             dynamic_capacity=self.dynamic_capacity, routing=self.routing,
-            a2a_chunks=self.a2a_chunks, all_to_all=self.all_to_all, a2a_hosts=self.a2a_hosts)
+            a2a_chunks=self.a2a_chunks, all_to_all=self.all_to_all, a2a_hosts=self.a2a_hosts,
+            parallelism=self.parallelism, cluster=self.cluster)
         bias = None
         if self.balance == "bias":
             bias = self.param(BIAS_PARAM, nn.with_logical_partitioning(nn.initializers.zeros,

@@ -43,10 +43,13 @@ from jaxspeed.moe.experts import (
     expert_ffn,
     switch_on_capacity,
 )
-from jaxspeed.moe.all_to_all import hierarchical_all_to_all, spanned_hosts
+from jaxspeed.moe.all_to_all import (
+    gather_across_hosts, hierarchical_all_to_all, spanned_hosts, within_host_all_to_all,
+)
 from jaxspeed.moe.balance import centered_load, report_load
 from jaxspeed.moe.expert_choice import expert_choice_gating
 from jaxspeed.moe.gating import Routing, gate_logits, top_k_gating
+from jaxspeed.moe.strategies import choose
 
 #: `fold_in` stream of DeepSpeed's `Jitter` (gating.py uses streams 0-2 for the rest).
 _JITTER_STREAM = 3
@@ -76,6 +79,8 @@ class GatingOptions:
     a2a_chunks: int | str = 1  #: or "auto" (`a2a_chunk_count`)
     all_to_all: str = "flat"  #: or "hierarchical" (`jaxspeed.moe.all_to_all`)
     a2a_hosts: int | None = None  #: hosts the expert axis spans; None: its processes
+    parallelism: str = "expert"  #: `jaxspeed.moe.strategies.PARALLELISMS`
+    cluster: str | None = None  #: the links `parallelism="auto"` prices (a cluster file)
 
     @property
     def needs_rng(self) -> bool:
@@ -196,32 +201,60 @@ MAX_AUTO_CHUNKS, MIN_CHUNK_BYTES = 4, 256 * 1024
 
 def _exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: str | None,
               ep: int):
-    """The experts' FFN on the dispatched buffer `[E, S, M]`, on the experts' owners.
+    """The experts' FFN on the dispatched buffer `[E, S, M]`, by `opts.parallelism`
+    (`jaxspeed.moe.strategies`): on the experts' owners (`expert`), here with every expert
+    gathered (`data`), or on the owners inside the host with the other hosts' experts gathered
+    (`expert_data`); `auto` picks one of them for this buffer's size.
 
-    The exchange is flat or, with `opts.all_to_all="hierarchical"`, inside each of the
+    `expert`'s exchange is flat or, with `opts.all_to_all="hierarchical"`, inside each of the
     `opts.a2a_hosts` hosts first and then across them (`hierarchical_all_to_all`).
     With `opts.a2a_chunks` > 1 the `S` slots go out in that many chunks, each its own
     all-to-all, FFN and all-to-all back: chunk i+1's exchange has no dependence on chunk i's
     FFN, so a scheduler that runs collectives asynchronously (XLA:GPU's) overlaps them. The FFN
     is row by row, so the result is the unchunked one.
     """
+    if ep == 1:
+        return expert_ffn(buf, experts, activation=opts.activation)
+    hosts = opts.a2a_hosts or 1
+    strategy = choose(
+        opts.parallelism, buffer_bytes=buf.size * buf.dtype.itemsize,
+        weight_bytes=sum(w.size * w.dtype.itemsize for w in experts if w is not None),
+        ep=ep, hosts=hosts, hierarchical=opts.all_to_all == "hierarchical",
+        cluster=opts.cluster)
+    gather = {"data": lambda w: jax.lax.all_gather(w, expert_axis, axis=0, tiled=True),
+              "expert_data": lambda w: gather_across_hosts(w, expert_axis, hosts=hosts)}
+    if strategy in gather:
+        experts = ExpertParams(*(None if w is None else gather[strategy](w) for w in experts))
+    if strategy == "data":
+        return expert_ffn(buf, experts, activation=opts.activation)
+    if strategy == "expert_data":  # device l of each host owns the experts of shards h*L + l
+        per_host = ep // hosts
+        buf = _swap_expert_blocks(buf, hosts, per_host)
+        exchange = functools.partial(within_host_all_to_all, axis=expert_axis, hosts=hosts)
+    else:
+        hierarchical = opts.all_to_all == "hierarchical"
+        exchange = functools.partial(hierarchical_all_to_all, axis=expert_axis,
+                                     hosts=hosts if hierarchical else 1)
     row_bytes = buf.shape[0] * buf.shape[2] * buf.dtype.itemsize
     chunks = a2a_chunk_count(opts.a2a_chunks, buf.shape[1], row_bytes, ep)
 
-    hosts = opts.a2a_hosts if opts.all_to_all == "hierarchical" else 1
-    exchange = functools.partial(hierarchical_all_to_all, axis=expert_axis, hosts=hosts or 1)
-
     def one(part):
-        if ep > 1:
-            part = exchange(part, split_axis=0, concat_axis=1)
-        out = expert_ffn(part, experts, activation=opts.activation)
-        if ep > 1:
-            out = exchange(out, split_axis=1, concat_axis=0)
-        return out
+        part = exchange(part, split_axis=0, concat_axis=1)
+        return exchange(expert_ffn(part, experts, activation=opts.activation),
+                        split_axis=1, concat_axis=0)
 
-    if chunks == 1:
-        return one(buf)
-    return jnp.concatenate([one(part) for part in jnp.split(buf, chunks, axis=1)], axis=1)
+    out = one(buf) if chunks == 1 else jnp.concatenate(
+        [one(part) for part in jnp.split(buf, chunks, axis=1)], axis=1)
+    if strategy == "expert_data":
+        out = _swap_expert_blocks(out, per_host, hosts)
+    return out
+
+
+def _swap_expert_blocks(buf, outer: int, inner: int):
+    """`buf [E, ...]` with its experts as `[outer, inner, E / (outer * inner)]` blocks,
+    reordered to `[inner, outer, ...]`: host-major shards to local-index-major and back."""
+    blocks = buf.reshape(outer, inner, -1, *buf.shape[1:])
+    return blocks.swapaxes(0, 1).reshape(buf.shape)
 
 
 def _experts_via_buffers(x, routing: Routing, experts: ExpertParams, *, opts: GatingOptions,
@@ -334,13 +367,15 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
             f"axis {expert_axis!r}")
     if opts.needs_rng and rng is None:
         raise ValueError(f"routing with {', '.join(opts.random_features)} needs a PRNG key")
-    if opts.all_to_all == "hierarchical" and opts.a2a_hosts is None:
+    by_host = opts.all_to_all == "hierarchical" or opts.parallelism != "expert"
+    if by_host and opts.a2a_hosts is None:
         opts = dataclasses.replace(
             opts, a2a_hosts=spanned_hosts(jax.sharding.get_abstract_mesh(), expert_axis))
-    if opts.all_to_all == "hierarchical" and ep > 1 and ep % opts.a2a_hosts:
+    if by_host and ep > 1 and ep % opts.a2a_hosts:
         raise ConfigError(
             f"a2a_hosts={opts.a2a_hosts} must divide the size {ep} of the mesh axis "
-            f"{expert_axis!r} (the hierarchical all-to-all splits it into hosts x devices)")
+            f"{expert_axis!r} (the hierarchical all-to-all and the parallelism strategies split "
+            f"it into hosts x devices)")
     xg = x.reshape(groups, tokens // groups, width)
     if dp_size == 1:
         out = _local_moe(xg, gate_kernel, experts, rng, selection_bias, opts=opts,

@@ -173,9 +173,10 @@ def cross_host_axes(mesh: Mesh) -> tuple[str, ...]:
 
 def host_of_devices(mesh: Mesh) -> list[int]:
     """The `host` coordinate of each device, in the mesh's flat order (a program's partition
-    ids, for a step jitted over this mesh)."""
+    ids, for a step jitted over this mesh); without a `host` axis, each device's process (an
+    expert axis across processes crosses hosts)."""
     if HOST not in mesh.axis_names:
-        return [0] * mesh.size
+        return [int(d.process_index) for d in mesh.devices.flat]
     return np.indices(mesh.devices.shape)[mesh.axis_names.index(HOST)].ravel().tolist()
 
 

@@ -1,0 +1,116 @@
+"""Where an MoE layer's work moves, over one stored layout of the experts (Tutel's adaptive
+parallelism: Hwang et al. 2023, "Tutel: Adaptive Mixture-of-Experts at Scale", section 3.2).
+
+The experts are stored one way whatever runs: `[E, ...]` split over the `expert` mesh axis,
+`E / ep` whole experts a device, devices host-major. Every strategy runs from that layout, so
+switching moves no stored weight; what differs is what crosses the axis in a step:
+
+- `expert` (Tutel's r = 1): the tokens go to their experts' owners and back, four
+  all-to-alls of the capacity buffer `[E, S, M]` a step (two forward, their transposes
+  backward). The weights stay.
+- `data` (Tutel's r = 0, ZeRO-gathered experts): every device gathers all experts' weights
+  and the tokens stay; the weights' gradient goes back reduce-scattered (the gather's
+  transpose).
+- `expert_data`: `data` across hosts, `expert` inside each host. A device gathers the experts
+  of its local index on every other host (`gather_across_hosts`), and the tokens are exchanged
+  among the devices of the host only (`within_host_all_to_all`), so nothing batch-sized
+  crosses a host: the slow link carries the weights and their gradient, a fixed amount,
+  instead of a buffer that grows with the batch.
+- `auto`: per capacity the step can run at, the strategy the cost model prices cheapest
+  (`choose`): with a fixed capacity one choice; with `dynamic_capacity` one per capacity
+  bucket, and each step runs the bucket its measured load needs, with that bucket's strategy.
+
+Tutel also splits one expert over several devices when devices outnumber experts (its r between
+1 and W/E). Here E is a multiple of the expert axis, and an expert's hidden dimension is split
+by the `tensor` mesh axis instead, under every strategy.
+
+The result is the same under every strategy, forward and gradients (tests/test_moe_strategies).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+#: `MoE.parallelism` values.
+PARALLELISMS = ("expert", "data", "expert_data", "auto")
+#: The strategies `auto` chooses from.
+STRATEGIES = PARALLELISMS[:-1]
+
+_log = logging.getLogger(__name__)
+
+
+class _Uniform:
+    """A link where every byte costs the same, inside a host or across: with no cluster given,
+    `auto` picks the strategy that moves the fewest bytes."""
+
+    bandwidth_gbps = 1.0
+    latency_us = 0.0
+
+
+@functools.lru_cache(maxsize=8)
+def _links(cluster: str | None) -> tuple[Any, Any, str]:
+    """(intra-host link, inter-host link, collective algorithms) of a cluster file or preset."""
+    if cluster is None:
+        return _Uniform(), _Uniform(), "nccl"
+    from jaxspeed.autoplan.cluster import load_cluster  # the planner's files, read when priced
+
+    spec = load_cluster(cluster)
+    return spec.intra_host, spec.inter_host, spec.collectives
+
+
+def strategy_seconds(strategy: str, *, buffer_bytes: int, weight_bytes: int, ep: int,
+                     hosts: int, hierarchical: bool = False, cluster: str | None = None
+                     ) -> float:
+    """The expert axis's communication of one MoE layer's step (forward and backward) under
+    `strategy`, by `jaxspeed.autoplan.comm`'s model on the cluster's links.
+
+    Args:
+      strategy: one of `STRATEGIES`.
+      buffer_bytes: one device's capacity buffer `[E, S, M]` (what an all-to-all moves).
+      weight_bytes: one device's stored experts (`E / ep` of them).
+      ep: devices on the expert axis; hosts: the hosts it spans (dividing `ep`).
+      hierarchical: `expert`'s all-to-all runs in two stages (`hierarchical_all_to_all`).
+      cluster: a cluster file or preset (`calibrate`'s output); None: a uniform link.
+    """
+    from jaxspeed.autoplan.comm import collective_time  # the planner's link model
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    intra, inter, algorithm = _links(cluster)
+    per_host = ep // hosts
+    mesh = {"host": hosts, "expert": per_host}
+
+    def cost(kind, nbytes, axes):
+        return collective_time(kind, nbytes, axes, mesh, devices_per_host=per_host, intra=intra,
+                               inter=inter, algorithm=algorithm)
+
+    every = ("host", "expert")
+    if strategy == "data":
+        return cost("all-gather", ep * weight_bytes, every) + cost(
+            "reduce-scatter", ep * weight_bytes, every)
+    if strategy == "expert_data":
+        return (2 * (hosts - 1) * cost("collective-permute", weight_bytes, ("host",))
+                + 4 * cost("all-to-all", buffer_bytes, ("expert",)))
+    if hierarchical and 1 < hosts < ep:
+        exchange = (cost("all-to-all", buffer_bytes, ("expert",))
+                    + (hosts - 1) * cost("collective-permute", buffer_bytes / hosts, ("host",)))
+    else:
+        exchange = cost("all-to-all", buffer_bytes, every)
+    return 4 * exchange
+
+
+def choose(parallelism: str, **sizes) -> str:
+    """The strategy that runs for `parallelism` (`auto`: the cheapest by `strategy_seconds`
+    on `sizes`, its keyword arguments; ties go to the earlier of `STRATEGIES`), logged once per
+    traced layer and capacity."""
+    if parallelism != "auto":
+        return parallelism
+    prices = {s: strategy_seconds(s, **sizes) for s in STRATEGIES}
+    best = min(STRATEGIES, key=prices.get)
+    _log.info("MoE parallelism auto: %s (priced per step: %s; capacity buffer %d B, experts "
+              "%d B a device, %d devices on %d host(s))", best,
+              ", ".join(f"{s} {1e3 * t:.2f} ms" for s, t in prices.items()),
+              sizes["buffer_bytes"], sizes["weight_bytes"], sizes["ep"], sizes["hosts"])
+    return best
