@@ -58,6 +58,19 @@ def test_each_baseline_runs_just_before_its_rivals():
         "optimizer.type=OneBitAdam", "optimizer.params.freeze_step=7", "seed=1"]
 
 
+def test_moe_auto_prices_on_the_calibrated_cluster_once_there_is_one():
+    """`{cluster}` is null until calibrate has written its file, then that file; the MoE
+    strategies each run beside the flat all-to-all."""
+    args = slow_network.parse_args(["--configs", "moe_auto"])
+    assert args.names == ["moe_flat", "moe_auto"]
+    assert "model.moe.cluster=null" in slow_network.overrides("moe_auto", args)
+    args.cluster = "/runs/cluster.rank0.yaml"
+    assert "model.moe.cluster=/runs/cluster.rank0.yaml" in slow_network.overrides("moe_auto", args)
+    assert {slow_network.CONFIGS[n].baseline for n in ("moe_data", "moe_expert_data")} == {
+        "moe_flat"}
+    assert slow_network.refusal("moe_auto", args) == (None, False)
+
+
 class _Commands:
     """Stands in for `ip`/`tc`: records each command, fails the one starting with `fail`."""
 

@@ -136,3 +136,25 @@ def test_plan_table_labels_modelled_rows_with_offload(tmp_path):
     assert source["  device memory needed"] == "model"
     assert source["    - streamed grads in host memory"] == "model"
     assert "(the verdict compares device memory needed, source: model)" in lines
+
+
+def test_the_librarys_info_lines_reach_stderr_once(capsys):
+    """`jaxspeed.*` INFO records (MoE `parallelism: auto`'s choice) print as one `jaxspeed:`
+    line each on stderr, and not a second time through a root handler."""
+    import logging
+
+    from jaxspeed.cli import _info_lines
+
+    logger = logging.getLogger("jaxspeed")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    logger.handlers.clear()
+    root = logging.StreamHandler(sys.stderr)
+    logging.getLogger().addHandler(root)
+    try:
+        _info_lines()
+        _info_lines()  # idempotent
+        logging.getLogger("jaxspeed.moe.strategies").info("MoE parallelism auto: %s", "expert")
+        assert capsys.readouterr().err == "jaxspeed: MoE parallelism auto: expert\n"
+    finally:
+        logging.getLogger().removeHandler(root)
+        logger.handlers[:], logger.level, logger.propagate = saved

@@ -142,6 +142,8 @@ def test_calibrate_measures_the_cpu_devices(tmp_path):
         cluster.host_memory_bytes,
         cluster.memory_bandwidth_gbps,
         cluster.host_link.bandwidth_gbps,
+        cluster.update_bandwidth.plain_gbps,
+        cluster.update_bandwidth.compressed_gbps,
     ]
     assert all(math.isfinite(value) and value > 0 for value in figures), figures
     assert 0 < cluster.efficiency <= 1

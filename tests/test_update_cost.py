@@ -7,10 +7,12 @@ import dataclasses
 import pytest
 
 from jaxspeed.autoplan import traffic
-from jaxspeed.autoplan.cluster import Cluster
+from jaxspeed.autoplan.cluster import Cluster, UpdateBandwidth
 from jaxspeed.autoplan.estimate import estimate
 from jaxspeed.autoplan.space import from_config
-from jaxspeed.autoplan.update_cost import phase_weights, update_seconds
+from jaxspeed.autoplan.update_cost import (
+    COMPRESSED_PROBE, PLAIN_PROBE, phase_weights, update_probe, update_seconds,
+)
 from jaxspeed.config import load_config
 
 TINY = ["model.n_layers=2", "model.d_model=64", "model.d_ff=256", "data.seq_len=32",
@@ -36,7 +38,7 @@ def _cluster(bandwidth=5.0):
 
 def _per_param(*overrides, phase="auto"):
     """Bytes per parameter of the config's update (1 GB/s, 1e9 params: seconds = bytes)."""
-    return update_seconds(_config(*overrides), params=1e9, bandwidth_gbps=1.0, phase=phase)
+    return update_seconds(_config(*overrides), params=1e9, cluster=_cluster(1.0), phase=phase)
 
 
 def test_bytes_per_param_follow_what_each_update_touches():
@@ -77,9 +79,41 @@ def test_zero_one_phases_agree_with_the_traffic_model():
 
 def test_update_seconds_scale_with_params_and_bandwidth():
     config = _config()
-    one = update_seconds(config, params=1e6, bandwidth_gbps=1.0)
-    assert update_seconds(config, params=3e6, bandwidth_gbps=1.0) == pytest.approx(3 * one)
-    assert update_seconds(config, params=1e6, bandwidth_gbps=4.0) == pytest.approx(one / 4)
+    one = update_seconds(config, params=1e6, cluster=_cluster(1.0))
+    assert update_seconds(config, params=3e6, cluster=_cluster(1.0)) == pytest.approx(3 * one)
+    assert update_seconds(config, params=1e6, cluster=_cluster(4.0)) == pytest.approx(one / 4)
+
+
+def test_a_calibrated_cluster_prices_compressing_phases_at_their_own_rate():
+    """Plain updates at `plain_gbps`, the phases that compress at `compressed_gbps`; the
+    memory bandwidth no longer counts."""
+    rated = _cluster(1.0).model_copy(update={"update_bandwidth": UpdateBandwidth(
+        plain_gbps=2.0, compressed_gbps=0.5)})
+    for overrides, rate in (((), 2.0), (ONEBIT_ADAM, 0.5), (ONEBIT_LAMB, 0.5)):
+        config = _config(*overrides)
+        assert update_seconds(config, params=1e6, cluster=rated) == pytest.approx(
+            update_seconds(config, params=1e6, cluster=_cluster(rate)))
+    warm = _config(*ONEBIT_ADAM)
+    assert update_seconds(warm, params=1e6, cluster=rated, phase="warmup") == pytest.approx(
+        update_seconds(warm, params=1e6, cluster=_cluster(2.0), phase="warmup"))
+    # 0/1 Adam's local steps are plain, its syncs compress
+    zero_one = _config(*ZERO_ONE)
+    local, sync = (update_seconds(zero_one, params=1e6, cluster=_cluster(r)) for r in (2.0, 0.5))
+    weights = phase_weights(zero_one.optimizer, zero_one.steps)
+    assert weights["sync"] < 1
+    assert local < update_seconds(zero_one, params=1e6, cluster=rated) < sync
+
+
+def test_update_probe_times_the_update_it_prices():
+    """`calibrate`'s probes: one update a device, and XLA's bytes for it (at least the params,
+    gradients and both moments read, and three of them written)."""
+    import jax
+
+    for probe in (PLAIN_PROBE, COMPRESSED_PROBE):
+        call, nbytes = update_probe(probe, jax.devices()[:2], 4096)
+        updates = call()
+        assert len(updates) == 2 and updates[0].shape == (4, 1024)
+        assert nbytes >= 7 * 4 * 4096
 
 
 def test_estimate_prices_each_optimizers_update_in_its_compute():
@@ -92,8 +126,8 @@ def test_estimate_prices_each_optimizers_update_in_its_compute():
     adam, lamb = estimate(adam_cfg, plan, cluster), estimate(lamb_cfg, plan, cluster)
     assert lamb.comm_s == pytest.approx(adam.comm_s)
     params = adam.state_bytes / 16  # fp32 params, grads, two moments at ZeRO-0
-    difference = (update_seconds(lamb_cfg, params=params, bandwidth_gbps=5.0)
-                  - update_seconds(adam_cfg, params=params, bandwidth_gbps=5.0))
+    difference = (update_seconds(lamb_cfg, params=params, cluster=cluster)
+                  - update_seconds(adam_cfg, params=params, cluster=cluster))
     assert lamb.compute_s - adam.compute_s == pytest.approx(difference, rel=1e-6)
     assert difference > 0
     # the override prices another optimizer's update on the same config
@@ -104,7 +138,7 @@ def test_estimate_prices_each_optimizers_update_in_its_compute():
     zero0 = estimate(config, from_config(config, {"data": 4}), cluster)
     zero1 = estimate(config, dataclasses.replace(from_config(config, {"data": 4}), stage=1),
                      cluster)
-    update0 = update_seconds(config, params=zero0.state_bytes / 16, bandwidth_gbps=5.0)
+    update0 = update_seconds(config, params=zero0.state_bytes / 16, cluster=cluster)
     assert zero0.compute_s - zero1.compute_s == pytest.approx(0.75 * update0, rel=1e-6)
     offload = load_config(config, overrides=["zero_optimization.stage=1",
                                              "zero_optimization.offload_optimizer.device=cpu"])

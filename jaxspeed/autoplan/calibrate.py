@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspeed.autoplan.cluster import Cluster, save_cluster
 from jaxspeed.autoplan.step_probe import probe_config, step_efficiency, step_probe
+from jaxspeed.autoplan.update_cost import COMPRESSED_PROBE, PLAIN_PROBE, update_probe
 from jaxspeed.config import Config
 from jaxspeed.errors import JaxspeedError
 
@@ -73,6 +74,9 @@ def calibrate(
       latency); on CPU both memories are the same RAM, so this is a copy's rate.
     * `memory_bandwidth_gbps`: a fused elementwise pass over `collective_mib` MiB per device
       on every device at once, read plus written.
+    * `update_bandwidth`: XLA's bytes of an optimizer update of `collective_mib` MiB of params
+      per device, on this host's devices at once, over its time: AdamW's (`plain_gbps`) and
+      1-bit Adam's compressed one (`compressed_gbps`; `jaxspeed.autoplan.update_cost`).
     * `efficiency`: the FLOP rate of a training step's matmuls over the bare matmul's: the
       forward and backward pass of a 4-layer MLP of `[n, n]` layers (float32), on every
       device at once, divided by the float32 figure above (at most 1). With `model`, a
@@ -121,10 +125,14 @@ def calibrate(
         levels = {f"{axis}_{size}": _gather_probe(two, count, axis=axis)
                   for axis, peers in ((_HOSTS, hosts), (_LOCAL, per_host)) if peers > 1
                   for size, count in (("large", max(1, round(floats / peers))), ("tiny", 1))}
+    here = [d for d in devices if d.process_index == jax.process_index()]
+    updates = {name: update_probe(probe, here, floats)
+               for name, probe in (("update_plain", PLAIN_PROBE),
+                                   ("update_compressed", COMPRESSED_PROBE))}
+    levels.update({name: (call, ()) for name, (call, _) in updates.items()})
     probed = None
     if model is not None:  # on this host's devices, every host at once
         probed = probe_config(model, devices=g, local=per_host)
-        here = [d for d in devices if d.process_index == jax.process_index()]
         levels["model_step"] = (step_probe(probed, here), ())
     seconds = _interleaved_medians(
         {
@@ -163,6 +171,8 @@ def calibrate(
         peak_tflops={"bf16": 2 * n**3 / seconds["matmul_bf16"] / 1e12, "fp32": fp32 / 1e12},
         efficiency=min(1.0, _training_flops(n) / seconds["training"] / fp32),
         memory_bandwidth_gbps=2 * 4 * floats / seconds["stream"] / 1e9,
+        update_bandwidth={f"{name.removeprefix('update_')}_gbps": nbytes / seconds[name] / 1e9
+                          for name, (_, nbytes) in updates.items()},
         intra_host=intra,
         inter_host=inter,
         host_link=host_link,

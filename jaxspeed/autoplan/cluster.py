@@ -78,6 +78,15 @@ class PeakTflops(_Section):
     fp32: _PositiveFloat
 
 
+class UpdateBandwidth(_Section):
+    """GB/s of XLA's bytes accessed that one device's optimizer update moves with every device
+    busy (`jaxspeed.autoplan.update_cost`): a plain update (AdamW's) and one that runs the 1-bit
+    compression (1-bit Adam's compressed phase)."""
+
+    plain_gbps: _PositiveFloat
+    compressed_gbps: _PositiveFloat
+
+
 class Cluster(_Section):
     """Hosts of identical devices; the figures a plan's time and memory are estimated from.
 
@@ -94,6 +103,9 @@ class Cluster(_Section):
     efficiency: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.5
     #: GB/s one device reads plus writes its own memory (HBM; on CPU, RAM shared by all).
     memory_bandwidth_gbps: Annotated[float, Field(strict=True, gt=0)]
+    #: the rates optimizer updates run at, where `calibrate` timed them; None: the memory
+    #: bandwidth (a GPU's update is a bandwidth-bound stream)
+    update_bandwidth: UpdateBandwidth | None = None
     intra_host: Link
     inter_host: Link
     #: between one device and its host's memory (PCIe-class): what offloaded optimizer state,

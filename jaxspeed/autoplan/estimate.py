@@ -163,8 +163,8 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
     # accumulation costs beyond its FLOPs
     weights = 2 * plan.accumulation * 4 * params_here / (cluster.memory_bandwidth_gbps * 1e9)
     update = 0.0 if "opt_state" in on_host else update_seconds(  # the host's is not timed
-        config, params=params_here / (zero if plan.stage >= 1 else 1),
-        bandwidth_gbps=cluster.memory_bandwidth_gbps, optimizer=optimizer, phase=phase)
+        config, params=params_here / (zero if plan.stage >= 1 else 1), cluster=cluster,
+        optimizer=optimizer, phase=phase)
     compute = flops / (cluster.peak_flops(dtype.name) * cluster.efficiency) + weights + update
     bubble = 0.0
     if pipe > 1:

@@ -53,6 +53,7 @@ def _info_lines() -> None:
     handler.addFilter(_first_process)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.propagate = False  # once, not again through a root handler someone else installed
 
 
 def _run(args) -> int:
