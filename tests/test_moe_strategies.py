@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.autoplan.cluster import Cluster, save_cluster
+from jaxspeed.autoplan.cluster import Cluster, load_cluster, save_cluster
 from jaxspeed.cost.hlo import collectives
 from jaxspeed.errors import ConfigError
 from jaxspeed.moe.all_to_all import gather_across_hosts, within_host_all_to_all
 from jaxspeed.moe.layer import MoE
-from jaxspeed.moe.strategies import STRATEGIES, choose, strategy_seconds
+from jaxspeed.moe.strategies import STRATEGIES, choose, links_of, strategy_seconds
 from jaxspeed.runtime.mesh import make_mesh
 from numerics import assert_close
 from test_moe_routing_balance import EP, RTOL, _on_mesh_and_one_device
@@ -89,6 +89,11 @@ def test_each_strategy_equals_one_device(axes, parallelism):
         assert crossing and set(crossing) <= {shard}, crossing
 
 
+def _links(tmp_path, inter_gbps):
+    """The links of a 2-host cluster file, as the GPT's builder reads `model.moe.cluster`."""
+    return links_of(load_cluster(_cluster_file(tmp_path, inter_gbps)))
+
+
 def _cluster_file(tmp_path, inter_gbps):
     cluster = Cluster(
         name="two_hosts", hosts=2, devices_per_host=4, device_memory="8GiB",
@@ -105,7 +110,7 @@ def test_the_cost_model_moves_the_tokens_or_the_weights_by_their_bytes(tmp_path)
     """Over a slow link: a buffer much smaller than the experts goes by `expert`; one much
     larger keeps the tokens inside the hosts (`expert_data`); `data` moves every expert
     across the whole axis, never cheaper here than moving them across hosts only."""
-    slow = _cluster_file(tmp_path, 0.005)
+    slow = _links(tmp_path, 0.005)
     sizes = dict(weight_bytes=2**20, ep=4, hosts=2, cluster=slow)
     assert choose("auto", buffer_bytes=2**16, **sizes) == "expert"
     assert choose("auto", buffer_bytes=2**24, **sizes) == "expert_data"
@@ -124,7 +129,7 @@ def test_auto_picks_per_capacity_and_logs_the_choice(tmp_path, caplog):
     each, so a step runs the strategy its measured load's bucket was priced cheapest at. The
     result is still the single-device layer's."""
     # experts of 12 x 16: 1.5 KiB each (w_in, w_out); buffers of 8 experts x C slots x 12
-    cluster = _cluster_file(tmp_path, 0.005)
+    cluster = _links(tmp_path, 0.005)
     options = dict(EP, dynamic_capacity=True, capacity_factor=16.0)  # buckets of 32, 16, 8
     with caplog.at_level(logging.INFO, logger=LOGGER):
         out, ref, _ = _on_mesh_and_one_device(options, {"expert": 8}, parallelism="auto",
@@ -141,12 +146,32 @@ def test_parallelism_values_are_checked():
     with pytest.raises(ConfigError, match="MoE.parallelism must be one of"):
         MoE(**EP, parallelism="tensor").init({"params": jax.random.key(0)},
                                              jnp.zeros((8, 12)), deterministic=True)
+    # a layer takes links; a file name is for a config, which the GPT's builder reads
+    with pytest.raises(ConfigError, match="MoE.cluster='two.yaml' is a file or preset name"):
+        MoE(**EP, parallelism="auto", cluster="two.yaml").init(
+            {"params": jax.random.key(0)}, jnp.zeros((8, 12)), deterministic=True)
+
+
+def test_a_config_names_a_cluster_file_the_gpt_reads(tmp_path):
+    """`model.moe.cluster: FILE` reaches the MoE layers as that file's links."""
+    from jaxspeed.config import load_config
+    from jaxspeed.models.gpt import _moe_options
+
+    path = _cluster_file(tmp_path, 0.005)
+    cfg = load_config("configs/gpt_moe.yaml", overrides=[
+        "model.moe.parallelism=auto", f"model.moe.cluster={path}"]).model
+    options = _moe_options(cfg.moe, cfg)
+    assert options["cluster"] == links_of(load_cluster(path))
+    assert options["cluster"].algorithm == "gloo"
+    with pytest.raises(ConfigError, match="unknown cluster preset"):
+        bad = load_config("configs/gpt_moe.yaml", overrides=["model.moe.cluster=nowhere"]).model
+        _moe_options(bad.moe, bad)
 
 
 def test_plan_counts_the_messages_that_cross_hosts():
     """`plan`'s profile: the flat all-to-all over 2 hosts x 4 sends 4 messages across per
     device, the hierarchical one 1 (each 4 times larger); rings are not counted."""
-    from jaxspeed.cost.hlo import cross_host_bytes, cross_host_messages
+    from jaxspeed.cost.cross_host import cross_host_bytes, cross_host_messages
     from jaxspeed.cost.report import format_profile
     from jaxspeed.moe.all_to_all import hierarchical_all_to_all
 

@@ -147,6 +147,7 @@ MoeConfig = create_model(
         **_options(MoE, skip=_MOE_FIXED),
         "d_ff": (PositiveInt | None, None),
         "activation": (str | None, None),
+        "cluster": (str | None, None),  # a file or preset: the GPT's builder reads its links
     },
 )
 

@@ -14,8 +14,9 @@ from typing import Any
 
 from jaxspeed.cost.hlo import (
     Instruction, array_bytes, branches, callees, collective_bytes, collective_kind,
-    cross_host_bytes, cross_host_messages, operands, parse, parse_dot, to_apply, trip_count,
+    operands, parse, parse_dot, to_apply, trip_count,
 )
+from jaxspeed.cost.cross_host import cross_host_bytes, cross_host_messages
 from jaxspeed.cost.peaks import peak_flops
 from jaxspeed.cost.report import ProfileReport
 

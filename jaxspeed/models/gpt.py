@@ -318,11 +318,22 @@ def build_gpt(
         sparse_attention=None if cfg.sparse_attention is None
         else cfg.sparse_attention.sparsity(cfg.n_heads),
         sparse_impl="auto" if cfg.sparse_attention is None else cfg.sparse_attention.impl,
-        moe=None if moe is None
-        else tuple(sorted(moe_layer_options(moe, d_ff=cfg.d_ff, mlp=cfg.mlp).items())),
+        moe=None if moe is None else tuple(sorted(_moe_options(moe, cfg).items())),
         moe_every=1 if moe is None else moe.every_n_layers,
         remat_policy=remat_policy, remat_names=tuple(remat_names), stream_layers=stream_layers,
     )
+
+
+def _moe_options(moe: Any, cfg: ModelConfig) -> dict[str, Any]:
+    """The MoE layers' options, `model.moe.cluster` (a file or preset name) read into the links
+    `parallelism: auto` prices."""
+    options = moe_layer_options(moe, d_ff=cfg.d_ff, mlp=cfg.mlp)
+    if isinstance(options.get("cluster"), str):
+        from jaxspeed.autoplan.cluster import load_cluster  # read only where a config names one
+        from jaxspeed.moe.strategies import links_of
+
+        options["cluster"] = links_of(load_cluster(options["cluster"]))
+    return options
 
 
 def count_params(params: Any) -> int:

@@ -30,7 +30,7 @@ from jaxspeed.moe.expert_choice import ROUTINGS
 from jaxspeed.moe.experts import ACTIVATIONS, ExpertParams, expert_ffn
 from jaxspeed.moe.gating import NOISY_GATE_POLICIES
 from jaxspeed.moe.parallel import GatingOptions, moe_ffn
-from jaxspeed.moe.strategies import PARALLELISMS
+from jaxspeed.moe.strategies import PARALLELISMS, Links
 
 #: Flax collection of routing metrics: "dropped_fraction", "expert_counts", "balance_loss"
 #: (Flax's own `sow` default, which trainers leave immutable).
@@ -49,6 +49,16 @@ def _dense_ffn(x, w_in, w_out, w_gate, activation):
     """One FFN `[T, M] -> [T, M]` with `expert_ffn`'s numerics (fp32 accumulate/activation)."""
     params = ExpertParams(w_in[None], w_out[None], None if w_gate is None else w_gate[None])
     return expert_ffn(x[None], params, activation=activation)[0]
+
+
+def _links(cluster: Any) -> Links | None:
+    if isinstance(cluster, str):
+        raise ConfigError(
+            f"MoE.cluster={cluster!r} is a file or preset name, which the GPT's builder reads "
+            f"(`model.moe.cluster`); a layer of your own takes its links: "
+            f"cluster=jaxspeed.moe.strategies.links_of(jaxspeed.autoplan.cluster."
+            f"load_cluster({cluster!r}))")
+    return cluster
 
 
 def check_options(options: Any) -> None:
@@ -99,6 +109,9 @@ def check_options(options: Any) -> None:
     if options.parallelism not in PARALLELISMS:
         raise ConfigError(
             f"MoE.parallelism must be one of {PARALLELISMS}, got {options.parallelism!r}")
+    if not (options.cluster is None or isinstance(options.cluster, (str, Links))):
+        raise ConfigError(f"MoE.cluster must be a cluster file or preset name (a config), or "
+                          f"jaxspeed.moe.strategies.Links (the layer), got {options.cluster!r}")
     chunks = options.a2a_chunks
     if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise ConfigError(f"MoE.a2a_chunks must be 'auto' or an int >= 1, got {chunks!r}")
@@ -181,8 +194,10 @@ class MoE(nn.Module):
         "expert_data" (the weights across hosts, the tokens inside each host), or "auto":
         per capacity (per step with `dynamic_capacity`), the cheapest by the cost model on
         `cluster`'s links, logged (logger `jaxspeed.moe.strategies`). The same result.
-      cluster: a cluster file (`jaxspeed calibrate`'s output) or preset whose links
-        `parallelism="auto"` prices the strategies with; None: every byte costs the same.
+      cluster: the links `parallelism="auto"` prices the strategies on: a cluster's
+        (`jaxspeed.moe.strategies.links_of(jaxspeed.autoplan.cluster.load_cluster(spec))`);
+        None: every byte costs the same. In a config, `model.moe.cluster` is a cluster file
+        (`jaxspeed calibrate`'s output) or preset name, which the GPT's builder reads.
       z_loss_coef: coefficient of the router z-loss (ST-MoE).
       gate_noise: Tutel's gate noise std (times 1/E) on the logits.
       bpr: batch-prioritized routing (Tutel).
@@ -215,7 +230,7 @@ class MoE(nn.Module):
     all_to_all: str = "flat"
     a2a_hosts: int | None = None
     parallelism: str = "expert"
-    cluster: str | None = None
+    cluster: Any = None  # a config's str (file or preset), resolved by the model builder
     z_loss_coef: float = 0.0
     gate_noise: float = 0.0
     bpr: bool = False
@@ -286,7 +301,7 @@ class MoE(nn.Module):
             activation=self.activation, impl=self.impl, eval_mode=deterministic,
             dynamic_capacity=self.dynamic_capacity, routing=self.routing,
             a2a_chunks=self.a2a_chunks, all_to_all=self.all_to_all, a2a_hosts=self.a2a_hosts,
-            parallelism=self.parallelism, cluster=self.cluster)
+            parallelism=self.parallelism, cluster=_links(self.cluster))
         bias = None
         if self.balance == "bias":
             bias = self.param(BIAS_PARAM, nn.with_logical_partitioning(nn.initializers.zeros,

@@ -49,7 +49,7 @@ from jaxspeed.moe.all_to_all import (
 from jaxspeed.moe.balance import centered_load, report_load
 from jaxspeed.moe.expert_choice import expert_choice_gating
 from jaxspeed.moe.gating import Routing, gate_logits, top_k_gating
-from jaxspeed.moe.strategies import choose
+from jaxspeed.moe.strategies import Links, choose
 
 #: `fold_in` stream of DeepSpeed's `Jitter` (gating.py uses streams 0-2 for the rest).
 _JITTER_STREAM = 3
@@ -80,7 +80,7 @@ class GatingOptions:
     all_to_all: str = "flat"  #: or "hierarchical" (`jaxspeed.moe.all_to_all`)
     a2a_hosts: int | None = None  #: hosts the expert axis spans; None: its processes
     parallelism: str = "expert"  #: `jaxspeed.moe.strategies.PARALLELISMS`
-    cluster: str | None = None  #: the links `parallelism="auto"` prices (a cluster file)
+    cluster: Links | None = None  #: the links `parallelism="auto"` prices (`strategies.links_of`)
 
     @property
     def needs_rng(self) -> bool:

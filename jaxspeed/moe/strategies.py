@@ -29,9 +29,8 @@ The result is the same under every strategy, forward and gradients (tests/test_m
 
 from __future__ import annotations
 
-import functools
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 #: `MoE.parallelism` values.
 PARALLELISMS = ("expert", "data", "expert_data", "auto")
@@ -41,27 +40,36 @@ STRATEGIES = PARALLELISMS[:-1]
 _log = logging.getLogger(__name__)
 
 
-class _Uniform:
-    """A link where every byte costs the same, inside a host or across: with no cluster given,
-    `auto` picks the strategy that moves the fewest bytes."""
+class Link(NamedTuple):
+    """One class of link, as `jaxspeed.autoplan.comm` costs it."""
 
-    bandwidth_gbps = 1.0
-    latency_us = 0.0
+    bandwidth_gbps: float
+    latency_us: float
 
 
-@functools.lru_cache(maxsize=8)
-def _links(cluster: str | None) -> tuple[Any, Any, str]:
-    """(intra-host link, inter-host link, collective algorithms) of a cluster file or preset."""
-    if cluster is None:
-        return _Uniform(), _Uniform(), "nccl"
-    from jaxspeed.autoplan.cluster import load_cluster  # the planner's files, read when priced
+class Links(NamedTuple):
+    """The links `auto` prices the strategies on: a cluster's (`links_of`), hashable, so a Flax
+    layer can hold them."""
 
-    spec = load_cluster(cluster)
-    return spec.intra_host, spec.inter_host, spec.collectives
+    intra: Link
+    inter: Link
+    algorithm: str = "nccl"  #: the cluster's `collectives`
+
+
+#: No cluster given: every byte costs the same, inside a host or across, so `auto` picks the
+#: strategy that moves the fewest bytes.
+UNIFORM = Links(Link(1.0, 0.0), Link(1.0, 0.0))
+
+
+def links_of(cluster: Any) -> Links:
+    """The `Links` of a `jaxspeed.autoplan.cluster.Cluster` (what the GPT passes its MoE layers
+    for `model.moe.cluster`, a file the model builder reads)."""
+    link = lambda spec: Link(float(spec.bandwidth_gbps), float(spec.latency_us))  # noqa: E731
+    return Links(link(cluster.intra_host), link(cluster.inter_host), cluster.collectives)
 
 
 def strategy_seconds(strategy: str, *, buffer_bytes: int, weight_bytes: int, ep: int,
-                     hosts: int, hierarchical: bool = False, cluster: str | None = None
+                     hosts: int, hierarchical: bool = False, cluster: Links | None = None
                      ) -> float:
     """The expert axis's communication of one MoE layer's step (forward and backward) under
     `strategy`, by `jaxspeed.autoplan.comm`'s model on the cluster's links.
@@ -72,13 +80,13 @@ def strategy_seconds(strategy: str, *, buffer_bytes: int, weight_bytes: int, ep:
       weight_bytes: one device's stored experts (`E / ep` of them).
       ep: devices on the expert axis; hosts: the hosts it spans (dividing `ep`).
       hierarchical: `expert`'s all-to-all runs in two stages (`hierarchical_all_to_all`).
-      cluster: a cluster file or preset (`calibrate`'s output); None: a uniform link.
+      cluster: the cluster's links (`links_of`); None: `UNIFORM`.
     """
     from jaxspeed.autoplan.comm import collective_time  # the planner's link model
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    intra, inter, algorithm = _links(cluster)
+    intra, inter, algorithm = cluster or UNIFORM
     per_host = ep // hosts
     mesh = {"host": hosts, "expert": per_host}
 
