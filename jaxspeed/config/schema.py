@@ -31,8 +31,8 @@ from jaxspeed.config.fields import Section as _Section
 from jaxspeed.config.fields import not_bool as _not_bool
 from jaxspeed.config.fields import whole_number as _whole_number
 from jaxspeed.config.model import ModelConfig
-from jaxspeed.config.optimizer import ONEBIT_TYPES
 from jaxspeed.config.optimizer import (
+    ONEBIT_TYPES,
     AdamWConfig,
     ConstantConfig,
     OptimizerConfig,

@@ -48,6 +48,18 @@ def spanned_hosts(mesh, axis: str, processes: int | None = None) -> int:
     return len({i * stride // per_process for i in range(sizes[axis])})
 
 
+def _local_shift(hosts: int, per_host: int, d: int) -> list[tuple[int, int]]:
+    """`ppermute` pairs sending each device to local index `(l + d) % per_host` on its host."""
+    return [(g * per_host + i, g * per_host + (i + d) % per_host)
+            for g in range(hosts) for i in range(per_host)]
+
+
+def _host_shift(hosts: int, per_host: int, e: int) -> list[tuple[int, int]]:
+    """`ppermute` pairs sending each device to its local index on host `(h + e) % hosts`."""
+    return [(g * per_host + i, ((g + e) % hosts) * per_host + i)
+            for g in range(hosts) for i in range(per_host)]
+
+
 def _shift(x, axis: str, pairs: list[tuple[int, int]]):
     return x if all(a == b for a, b in pairs) else jax.lax.ppermute(x, axis, pairs)
 
@@ -78,8 +90,7 @@ def hierarchical_all_to_all(x, axis: str, split_axis: int, concat_axis: int, *, 
     # arrives comes from local (l - d) % L. held[j]: from local source j, [H_dest, chunk...].
     arrived = []
     for d in range(per_host):
-        pairs = [(g * per_host + i, g * per_host + (i + d) % per_host)
-                 for g in range(hosts) for i in range(per_host)]
+        pairs = _local_shift(hosts, per_host, d)
         arrived.append(_shift(jnp.take(dest, (l + d) % per_host, axis=1), axis, pairs))
     held = jnp.take(jnp.stack(arrived), (l - jnp.arange(per_host)) % per_host, axis=0)
 
@@ -87,8 +98,7 @@ def hierarchical_all_to_all(x, axis: str, split_axis: int, concat_axis: int, *, 
     # arrives comes from host (h - e) % H. got[j]: from host j, [L_src, chunk...].
     arrived = []
     for e in range(hosts):
-        pairs = [(g * per_host + i, ((g + e) % hosts) * per_host + i)
-                 for g in range(hosts) for i in range(per_host)]
+        pairs = _host_shift(hosts, per_host, e)
         arrived.append(_shift(jnp.take(held, (h + e) % hosts, axis=1), axis, pairs))
     got = jnp.take(jnp.stack(arrived), (h - jnp.arange(hosts)) % hosts, axis=0)
     got = got.reshape(n, *chunk_shape)  # source s = h_s * L + l_s, in order
@@ -125,8 +135,7 @@ def within_host_all_to_all(x, axis: str, split_axis: int, concat_axis: int, *, h
     chunks = chunks.reshape(per_host, chunks.shape[0] // per_host, *chunks.shape[1:])
     arrived = []  # at shift d: to local (l + d) % L, from local (l - d) % L
     for d in range(per_host):
-        pairs = [(g * per_host + i, g * per_host + (i + d) % per_host)
-                 for g in range(hosts) for i in range(per_host)]
+        pairs = _local_shift(hosts, per_host, d)
         arrived.append(_shift(jnp.take(chunks, (local + d) % per_host, axis=0), axis, pairs))
     got = jnp.take(jnp.stack(arrived), (local - jnp.arange(per_host)) % per_host, axis=0)
     return _concatenate_sources(got, split_axis, concat_axis)
@@ -148,8 +157,7 @@ def gather_across_hosts(x, axis: str, *, hosts: int):
     host = jax.lax.axis_index(axis) // per_host
     arrived = []  # at shift e: from host (h - e) % H
     for e in range(hosts):
-        pairs = [(g * per_host + i, ((g + e) % hosts) * per_host + i)
-                 for g in range(hosts) for i in range(per_host)]
+        pairs = _host_shift(hosts, per_host, e)
         arrived.append(_shift(x, axis, pairs))
     got = jnp.take(jnp.stack(arrived), (host - jnp.arange(hosts)) % hosts, axis=0)
     return got.reshape(hosts * x.shape[0], *x.shape[1:])

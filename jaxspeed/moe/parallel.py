@@ -215,12 +215,11 @@ def _exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: s
     """
     if ep == 1:
         return expert_ffn(buf, experts, activation=opts.activation)
-    hosts = opts.a2a_hosts or 1
+    hosts, hierarchical = opts.a2a_hosts or 1, opts.all_to_all == "hierarchical"
     strategy = choose(
         opts.parallelism, buffer_bytes=buf.size * buf.dtype.itemsize,
         weight_bytes=sum(w.size * w.dtype.itemsize for w in experts if w is not None),
-        ep=ep, hosts=hosts, hierarchical=opts.all_to_all == "hierarchical",
-        cluster=opts.cluster)
+        ep=ep, hosts=hosts, hierarchical=hierarchical, cluster=opts.cluster)
     gather = {"data": lambda w: jax.lax.all_gather(w, expert_axis, axis=0, tiled=True),
               "expert_data": lambda w: gather_across_hosts(w, expert_axis, hosts=hosts)}
     if strategy in gather:
@@ -232,7 +231,6 @@ def _exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: s
         buf = _swap_expert_blocks(buf, hosts, per_host)
         exchange = functools.partial(within_host_all_to_all, axis=expert_axis, hosts=hosts)
     else:
-        hierarchical = opts.all_to_all == "hierarchical"
         exchange = functools.partial(hierarchical_all_to_all, axis=expert_axis,
                                      hosts=hosts if hierarchical else 1)
     row_bytes = buf.shape[0] * buf.shape[2] * buf.dtype.itemsize
