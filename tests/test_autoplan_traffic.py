@@ -17,6 +17,7 @@ from jaxspeed.autoplan.estimate import estimate, param_counts
 from jaxspeed.autoplan.predict import PREDICTED_KEYS, onebit_alternatives
 from jaxspeed.autoplan.space import from_config
 from jaxspeed.config import load_config
+from jaxspeed.train.zero_step import GLOO_BUCKET
 
 TINY = ["model.n_layers=2", "model.d_model=64", "model.d_ff=256", "data.seq_len=32",
         "model.max_seq_len=32", "train_batch_size=8"]
@@ -49,9 +50,12 @@ B = 1200.0
     # data-major ring 0-2-1-3: every edge crosses, two leave each host
     ("all-gather", [0, 2, 1, 3], 2 * 0.75 * B, 0.0, 3),
     ("all-gather", [0, 1, 2, 3], 0.75 * B, 0.75 * B, 3),
-    # recursive halving: B/2 to rank^1 (same host), then B/4 to rank^2 (the other host), twice
-    ("reduce-scatter", [0, 1, 2, 3], 2 * B / 4, B / 2, 2),
-    ("reduce-scatter", [0, 2, 1, 3], 2 * B / 2, B / 4, 2),
+    # recursive halving: B/2 to rank^1 (same host), then B/4 to rank^2 (the other host),
+    # twice; then ranks 1 and 2 swap their blocks (B/4), across hosts
+    ("reduce-scatter", [0, 1, 2, 3], 2 * B / 4 + B / 4, B / 2, 3),
+    ("reduce-scatter", [0, 2, 1, 3], 2 * B / 2 + B / 4, B / 4, 3),
+    # two ranks: one halving step, no block to move
+    ("reduce-scatter", [0, 2], B / 2, 0.0, 1),
     # direct: each device sends B/4 to each of the other host's two devices
     ("all-to-all", [0, 1, 2, 3], 4 * B / 4, B / 4, 3),
 ])
@@ -124,6 +128,35 @@ def test_zeropp_bytes_by_hand():
     by_leaf = [(layers / 8 / 4, 8), (other / 2 / 4, 2)]
     assert _sum(qg, kind="all-to-all", axes=("host",)) == sum(
         math.ceil(n / 256) * 132 * leaves for n, leaves in by_leaf)
+
+
+def test_gloo_reduce_scatters_in_pieces_and_quantized_collectives_in_pairs():
+    """Over gloo `max_reduce_scatter_elements: auto` cuts a leaf's reduce-scatter into pieces
+    (the same bytes in more collectives, each paying its latency); a quantized gather or
+    all-to-all is two collectives, the values and the scales."""
+    # the tiny GPT as configured (no compile here): leaves of ~0.6M elements
+    config = load_config("configs/gpt_tiny.yaml",
+                         overrides=["mesh.data=4", "zero_optimization.stage=3"])
+    plan = from_config(config, {"host": 2, "data": 2})
+    whole = traffic.step_transfers(config, plan, hosts=2)
+    cut = traffic.step_transfers(config, plan, hosts=2, gloo=True)
+    n = [t for t in whole if t.kind == "reduce-scatter"]
+    pieces = [t for t in cut if t.kind == "reduce-scatter"]
+    assert _sum(pieces) == pytest.approx(_sum(n))
+    assert sum(t.count for t in pieces) > sum(t.count for t in n)
+    assert max(t.nbytes for t in pieces) <= 4 * GLOO_BUCKET < max(t.nbytes for t in n)
+    fixed = _config("zero_optimization.stage=3",
+                    "zero_optimization.max_reduce_scatter_elements=1000", data=4)
+    assert all(t.nbytes <= 4000 for t in traffic.step_transfers(fixed, plan, hosts=2)
+               if t.kind == "reduce-scatter")
+    zeropp = dataclasses.replace(plan, quantized_weights=True, quantized_gradients=True)
+    moved = traffic.step_transfers(config, zeropp, hosts=2)
+    values = [t for t in moved if t.name.endswith(".values")]
+    scales = [t for t in moved if t.name.endswith(".scales")]
+    assert len(values) == len(scales) == len(moved) / 2
+    for v, sc in zip(values, scales):
+        assert (v.kind, v.axes, v.count) == (sc.kind, sc.axes, sc.count)
+        assert sc.nbytes < v.nbytes
 
 
 def test_zero0_bytes_match_the_compiled_step_on_two_emulated_hosts():

@@ -77,6 +77,49 @@ def test_gather_matches_reference_collectives_bit_for_bit(mesh):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("dim, bucket", [(0, 40), (1, 48), (1, 40), (1, 7), (0, 10_000)],
+                         ids=["rows", "columns", "ragged", "below-peers", "one-piece"])
+def test_bucketed_reduce_scatter_equals_psum_scatter(mesh, dim, bucket):
+    """`max_reduce_scatter_elements`: the same sum and blocks as one `psum_scatter`, bit for
+    bit (each element is summed over the same devices, in pieces of at most `bucket`)."""
+    shape = [HOSTS * DATA * 3, 10] if dim == 0 else [6, HOSTS * DATA * 2]
+    g = jax.random.normal(jax.random.key(2), (HOSTS * DATA, *shape))
+    spec_in = P(("host", "data"))
+    out_spec = P(AXES) if dim == 0 else P(None, AXES)
+
+    def local(fn):
+        return lambda g: fn(g[0])
+
+    ours = shard_fn(mesh, local(lambda g: zc.reduce_scatter(g, AXES, dim, bucket=bucket)),
+                    spec_in, out_spec)
+    ref = shard_fn(mesh, local(lambda g: jax.lax.psum_scatter(
+        g, AXES, scatter_dimension=dim, tiled=True)), spec_in, out_spec)
+    np.testing.assert_array_equal(np.asarray(ours(g)), np.asarray(ref(g)))
+    text = ours.lower(g).compile().as_text()
+    sizes = [op.bytes // 4 for op in hlo.collectives(text, num_devices=HOSTS * DATA)]
+    columns = int(np.prod(shape)) // (HOSTS * DATA)  # of each peer's block, flattened
+    width = max(1, bucket // (HOSTS * DATA))  # at least one element a peer
+    assert len(sizes) == (-(-columns // width) if bucket < np.prod(shape) else 1), sizes
+    assert max(sizes) <= max(bucket, HOSTS * DATA), sizes
+
+
+def test_bucketed_gather_transpose_keeps_the_gradient(mesh):
+    """The gather's transpose with `bucket`: the gradient equals the unbucketed one."""
+    x = jax.random.normal(jax.random.key(0), (3, 8 * 6))
+    w = jax.random.normal(jax.random.key(1), (HOSTS * DATA, 3, 8 * 6))
+    leaf = zc.LeafGather(1, AXES)
+
+    def grad_with(switches):
+        def local(x, w):
+            _, pull = jax.vjp(
+                lambda x: zc.gather_leaf(x, leaf, dtype=jnp.float32, switches=switches), x)
+            return pull(w[0])[0]
+        return shard_fn(mesh, local, (P(None, AXES), P(("host", "data"))), P(None, AXES))(x, w)
+
+    np.testing.assert_array_equal(np.asarray(grad_with(zc.Switches(bucket=16))),
+                                  np.asarray(grad_with(zc.Switches())))
+
+
 def test_quantized_gather_within_half_a_scale(mesh):
     x = jax.random.normal(jax.random.key(0), (8 * 40, 3)) * 5
     block = 64

@@ -24,7 +24,7 @@ from jaxspeed.cost import hlo
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops import quantize as qz
 from jaxspeed.sharding import zero_collectives as zc
-from jaxspeed.train.zero_step import step_traffic, switches_of
+from jaxspeed.train.zero_step import GLOO_BUCKET, runs_on_gloo, step_traffic, switches_of
 from test_engine import GLOBAL_BATCH, LR, RHO, batches, reference_from, tiny_config
 from numerics import assert_adam_params_close
 
@@ -101,6 +101,24 @@ def test_switch_trains_like_zero3(dataset, zero3_losses, name):
     assert losses[-1] < losses[0] - 0.3  # it trains
     if name != "hpZ":
         assert not np.array_equal(losses, zero3_losses)  # it did quantize
+
+
+def test_bucketed_reduce_scatter_trains_like_zero3_in_pieces(dataset, zero3_losses):
+    """`max_reduce_scatter_elements`: the gradients reduce-scattered in pieces of at most 1024
+    elements, the same sums (so the same losses), and more, smaller reduce-scatters."""
+    pieces_config = tiny_config(*HOSTS2, Z + "max_reduce_scatter_elements=1024")
+    engine, _, losses = train(pieces_config, dataset, SWITCH_STEPS)
+    np.testing.assert_allclose(losses, zero3_losses, rtol=RHO)
+    whole = js.initialize(tiny_config(*HOSTS2))
+
+    def scatters(e):
+        text = e.compile_train_step().as_text()
+        return [op.bytes for op in hlo.collectives(text, num_devices=e.mesh.size)
+                if op.kind == "reduce-scatter"]
+
+    pieces, leaves = scatters(engine), scatters(whole)
+    assert max(pieces) <= 4 * 1024 < max(leaves), (max(pieces), max(leaves))
+    assert sum(pieces) == sum(leaves) and len(pieces) > len(leaves)
 
 
 # -- the compiled step -------------------------------------------------------------------
@@ -220,6 +238,8 @@ def test_auto_runs_explicit_across_hosts_or_with_a_zeropp_switch(overrides, expl
     {"stage": 3, "collectives": "compiler", "zero_quantized_weights": True},
     {"stage": 3, "quantization_block_size": 7},
     {"stage": 3, "quantized_gradient_bits": 2},
+    {"stage": 3, "max_reduce_scatter_elements": 0},
+    {"stage": 3, "max_reduce_scatter_elements": "big"},
 ])
 def test_switch_config_errors_name_the_key(zero):
     with pytest.raises(ConfigError, match="zero_optimization"):
@@ -232,3 +252,14 @@ def test_deepspeed_zeropp_keys_map_directly():
         "zero_hpz_partition_size": 4}})
     zero = cfg.zero_optimization
     assert switches_of(zero) == zc.Switches(True, 4, True, 256)
+
+
+def test_max_reduce_scatter_elements_auto_cuts_only_over_gloo():
+    zero = load_config({"zero_optimization": {"stage": 3}}).zero_optimization
+    assert zero.max_reduce_scatter_elements == "auto"
+    assert switches_of(zero).bucket is None
+    assert switches_of(zero, gloo=True).bucket == GLOO_BUCKET
+    fixed = zero.model_copy(update={"max_reduce_scatter_elements": 5000})
+    assert switches_of(fixed).bucket == switches_of(fixed, gloo=True).bucket == 5000
+    # one process's emulated devices: XLA's in-process collectives, not gloo
+    assert not runs_on_gloo(js.initialize(tiny_config(*HOSTS2)).mesh)

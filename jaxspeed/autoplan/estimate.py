@@ -190,7 +190,7 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
             kind, nbytes, comm.ordered_groups(axes, sizes), cluster.devices_per_host, algorithm)
 
     for t in traffic.step_transfers(config, plan, hosts=sizes["host"], optimizer=optimizer,
-                                    phase=phase):
+                                    phase=phase, gloo=algorithm == "gloo"):
         cost(t.kind, t.nbytes, t.axes, t.count)
     micro_steps = plan.accumulation
     hidden = tokens_micro * m.d_model * act

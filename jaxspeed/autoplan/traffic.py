@@ -15,12 +15,15 @@ to `comm`. Bytes are per device in the profiler's full-buffer convention
   the forward pass and their fp32 gradient reduce-scattered. A model larger than
   `zero_optimization.max_live_parameters` is gathered layer by layer, and again in the
   backward pass when remat recomputes the layers; a smaller one once.
-  - qwZ (`zero_quantized_weights`): the gathers move int8 values plus an fp32 scale a block.
+  - qwZ (`zero_quantized_weights`): the gathers move int8 values plus an fp32 scale a block,
+    each in its own collective (two latencies).
   - hpZ (`zero_hpz_partition_size` > 1): a gather over `host` alone, then inside the host; for
     a layer-by-layer model the `host` gather runs once per step (the secondary copy) and only
     the intra-host gathers run per use.
   - qgZ (`zero_quantized_gradients`): the reduce-scatter as one all-to-all per axis, inside the
-    host first, of int4 (or int8) values plus a scale a block.
+    host first, of int4 (or int8) values plus a scale a block (again two collectives).
+  - Over gloo (`gloo=True`), a full-precision reduce-scatter of more elements than
+    `max_reduce_scatter_elements` resolves to runs in that many pieces, each a collective.
 - **1-bit Adam / 1-bit LAMB** after `freeze_step`: the compressed all-reduce of the momentum,
   one all-to-all and one all-gather over the batch axes, each of the packed sign bits (1/8 byte
   a parameter, each leaf padded to 8 N) plus fp32 scales; the frozen trust ratios of 1-bit LAMB
@@ -42,7 +45,7 @@ import math
 from typing import Any, NamedTuple
 
 from jaxspeed.ops.precision import compute_dtype
-from jaxspeed.ops.quantize import quantized_bytes
+from jaxspeed.ops.quantize import num_blocks
 from jaxspeed.runtime.mesh import AXES, DATA, EXPERT, HOST, SEQUENCE
 from jaxspeed.train.zero_step import switches_of
 
@@ -158,7 +161,7 @@ def param_counts(config: Any) -> dict[str, int]:
 
 def step_transfers(
     config: Any, plan: Any, *, hosts: int = 1, optimizer: str | None = None,
-    phase: str = "auto",
+    phase: str = "auto", gloo: bool = False,
 ) -> list[Transfer]:
     """The data-parallel collectives of one step of `plan` (module docstring).
 
@@ -168,6 +171,7 @@ def step_transfers(
       hosts: hosts the `data` axis is split over (`mesh_sizes`).
       optimizer: price this optimizer type instead of `config.optimizer.type`.
       phase: which phase of a 1-bit optimizer (`exchange_fractions`).
+      gloo: the collectives run over gloo (`max_reduce_scatter_elements: auto` cuts there).
     """
     sizes = mesh_sizes(plan.sizes, hosts)
     m, counts = config.model, param_counts(config)
@@ -186,7 +190,8 @@ def step_transfers(
 
     stage = plan.stage
     if stage == 3:
-        out += _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers)
+        out += _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
+                      gloo=gloo)
         return out
     # XLA reduces a scanned stack's gradients layer by layer inside the backward loop, and
     # the rest in one combined collective
@@ -207,10 +212,19 @@ def step_transfers(
     return out
 
 
-def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers) -> list[Transfer]:
+def _quantized(name: str, kind: str, elements: float, bits: int, block: int,
+               axes: tuple[str, ...], count: float) -> list[Transfer]:
+    """A block-quantized collective: its values and its fp32 scales, each a collective."""
+    blocks = num_blocks(elements, block)
+    return [Transfer(f"{name}.values", kind, blocks * block * bits / 8, axes, count),
+            Transfer(f"{name}.scales", kind, 4.0 * blocks, axes, count)]
+
+
+def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers, *,
+           gloo: bool) -> list[Transfer]:
     """ZeRO-3's gathers and reduce-scatters (the explicit step's, ZeRO++ switches included)."""
     zero = config.zero_optimization
-    sw = switches_of(zero)._replace(  # the plan's switches, the config's bits and block
+    sw = switches_of(zero, gloo=gloo)._replace(  # the plan's switches, the config's bits, block
         quantized_weights=plan.quantized_weights, hpz=plan.hpz,
         gradient_bits=zero.quantized_gradient_bits if plan.quantized_gradients else None)
     cbytes = compute_dtype(config).itemsize
@@ -229,25 +243,27 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers)
         for i, axes in enumerate(stages):
             gathered *= math.prod(sizes[a] for a in axes)
             n = elements * gathered / z / leaves  # one leaf's gathered output, elements
-            nbytes = quantized_bytes(n, bits=8, block=sw.block) if sw.quantized_weights else n * cbytes
+
+            def gather(name: str, count: float) -> list[Transfer]:
+                if sw.quantized_weights:
+                    return _quantized(name, "all-gather", n, 8, sw.block, axes, count)
+                return [Transfer(name, "all-gather", n * cbytes, axes, count)]
+
             if per_layer and len(stages) > 1 and i == 0:  # hpZ's secondary copy
-                out.append(Transfer(f"zero3.secondary_gather.{label}", "all-gather", nbytes,
-                                    axes, leaves))
+                out += gather(f"zero3.secondary_gather.{label}", leaves)
                 continue
-            out.append(Transfer(f"zero3.forward_gather.{label}", "all-gather", nbytes, axes,
-                                leaves * micro))
+            out += gather(f"zero3.forward_gather.{label}", leaves * micro)
             if per_layer and recompute:
-                out.append(Transfer(f"zero3.backward_gather.{label}", "all-gather", nbytes,
-                                    axes, leaves * micro))
+                out += gather(f"zero3.backward_gather.{label}", leaves * micro)
         remaining = elements / leaves
         for axes in reversed(stages):
             for group in ([(a,) for a in axes] if sw.gradient_bits else [axes]):
                 if sw.gradient_bits:
-                    out.append(Transfer(f"zero3.grad_all_to_all.{label}", "all-to-all",
-                                        quantized_bytes(remaining, bits=sw.gradient_bits, block=sw.block),
-                                        group, leaves * micro))
+                    out += _quantized(f"zero3.grad_all_to_all.{label}", "all-to-all", remaining,
+                                      sw.gradient_bits, sw.block, group, leaves * micro)
                 else:
+                    pieces = math.ceil(remaining / sw.bucket) if sw.bucket else 1
                     out.append(Transfer(f"zero3.grad_reduce_scatter.{label}", "reduce-scatter",
-                                        4 * remaining, group, leaves * micro))
+                                        4 * remaining / pieces, group, leaves * micro * pieces))
                 remaining /= math.prod(sizes[a] for a in group)
     return [t for t in out if t.axes and t.nbytes > 0]

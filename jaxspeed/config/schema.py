@@ -155,6 +155,13 @@ class ZeroConfig(_Section):
     quantized_gradient_bits: Annotated[Literal[4, 8], BeforeValidator(_not_bool)] = 4
     #: Elements per fp32 scale in qwZ / qgZ's block quantization (even).
     quantization_block_size: _PositiveInt = 256
+    #: Stage 3 with explicit collectives: the most elements one full-precision gradient
+    #: reduce-scatter moves; a larger gradient is reduced in pieces (leaves are not merged,
+    #: as DeepSpeed's `reduce_bucket_size` merges them). `auto`: 2**18 (1 MiB of fp32) where
+    #: the collectives run over gloo (CPU devices in several processes), whose reduce-scatter
+    #: sends each peer its share as one message that a slow TCP link moves below its rate
+    #: past about a MiB (`jaxspeed.autoplan.gloo`); else one reduce-scatter a leaf.
+    max_reduce_scatter_elements: _PositiveInt | Literal["auto"] = "auto"
 
     @model_validator(mode="after")
     def _param_offload_needs_stage3(self) -> ZeroConfig:

@@ -47,12 +47,16 @@ class Switches(NamedTuple):
         of this many bits (4 or 8); None: a full-precision (fp32) `psum_scatter`.
       hpz: hpZ: gather over `host` once per step, then within the host per use.
       block: elements per quantization scale.
+      bucket: the most elements one full-precision reduce-scatter moves (each device's
+        unscattered input); a larger gradient is reduced in pieces of at most this many
+        (`reduce_scatter`). None: one reduce-scatter a leaf.
     """
 
     quantized_weights: bool = False
     gradient_bits: int | None = None
     hpz: bool = False
     block: int = qz.BLOCK
+    bucket: int | None = None
 
 
 class LeafGather(NamedTuple):
@@ -129,8 +133,11 @@ def all_gather(x: jax.Array, axes: tuple[str, ...], dim: int, *, dtype, quantize
 
 
 def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, *, bits: int | None = None,
-                   block: int = qz.BLOCK) -> jax.Array:
+                   block: int = qz.BLOCK, bucket: int | None = None) -> jax.Array:
     """The fp32 sum of `g` over `axes`, this device's block of `dim` kept (`psum_scatter`).
+
+    With `bucket`, a `g` of more elements is reduced in pieces of at most `bucket` elements,
+    one `psum_scatter` each, with the same result (`_bucketed_psum_scatter`).
 
     With `bits` (qgZ), one `all_to_all` per axis, major first: `g` is split into one chunk
     per peer along `dim`, each chunk block-quantized to `bits` and sent to its peer, which
@@ -138,10 +145,28 @@ def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, *, bits: int |
     """
     g = g.astype(jnp.float32)
     if bits is None:
+        if bucket is not None and g.size > bucket:
+            return _bucketed_psum_scatter(g, axes, dim, bucket)
         return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
     for axis in axes:
         g = _quantized_reduce_scatter(g, axis, dim, bits, block)
     return g
+
+
+def _bucketed_psum_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, bucket: int):
+    """`psum_scatter(g, axes, dim, tiled=True)` as several reduce-scatters of at most
+    `bucket` elements each: `g` viewed as `[peers, rest]` (peer p's block of `dim` in row p,
+    flattened), the rest cut into column pieces, each piece reduce-scattered over its rows."""
+    peers = jax.lax.axis_size(axes)
+    y = jnp.moveaxis(g, dim, 0)
+    block_shape = (y.shape[0] // peers, *y.shape[1:])
+    rows = y.reshape(peers, -1)
+    width = max(1, bucket // peers)
+    pieces = [jax.lax.psum_scatter(rows[:, start:start + width], axes, scatter_dimension=0,
+                                   tiled=True)
+              for start in range(0, rows.shape[1], width)]
+    mine = jnp.concatenate(pieces, axis=1).reshape(block_shape)
+    return jnp.moveaxis(mine, 0, dim)
 
 
 def _quantized_reduce_scatter(g, axis: str, dim: int, bits: int, block: int):
@@ -169,7 +194,8 @@ def _gather_fwd(x, op: _Gather):
 
 def _gather_bwd(op: _Gather, _, cotangent):
     s = op.switches
-    summed = reduce_scatter(cotangent, op.axes, op.dim, bits=s.gradient_bits, block=s.block)
+    summed = reduce_scatter(cotangent, op.axes, op.dim, bits=s.gradient_bits, block=s.block,
+                            bucket=s.bucket)
     return (summed.astype(op.in_dtype),)
 
 

@@ -191,14 +191,29 @@ def _unsupported(config, mesh: Mesh) -> str | None:
     return None
 
 
-def switches_of(zero) -> zc.Switches:
-    """The collectives' `Switches` from the `zero_optimization` section."""
+#: `max_reduce_scatter_elements: auto` where the collectives run over gloo (see the schema).
+GLOO_BUCKET = 2**18
+
+
+def switches_of(zero, *, gloo: bool = False) -> zc.Switches:
+    """The collectives' `Switches` from the `zero_optimization` section; `gloo`: whether the
+    collectives run over gloo (`runs_on_gloo`), which `max_reduce_scatter_elements: auto`
+    follows."""
+    bucket = zero.max_reduce_scatter_elements
     return zc.Switches(
         quantized_weights=zero.zero_quantized_weights,
         gradient_bits=zero.quantized_gradient_bits if zero.zero_quantized_gradients else None,
         hpz=zero.zero_hpz_partition_size > 1,
         block=zero.quantization_block_size,
+        bucket=(GLOO_BUCKET if gloo else None) if bucket == "auto" else bucket,
     )
+
+
+def runs_on_gloo(mesh: Mesh) -> bool:
+    """Whether `mesh`'s collectives run over gloo: CPU devices of several processes."""
+    devices = mesh.devices.flat
+    return (devices[0].platform == "cpu"
+            and len({d.process_index for d in mesh.devices.flat}) > 1)
 
 
 def check_hpz(size: int, mesh: Mesh) -> None:
@@ -259,7 +274,8 @@ def explicit_zero(config, mesh: Mesh, plan: Plan, model, *, compute_dtype,
     """The `ZeroStep` when stage 3 runs with explicit collectives (`runs_explicit`), else None."""
     if not runs_explicit(config, mesh):
         return None
-    zero, switches = config.zero_optimization, switches_of(config.zero_optimization)
+    zero = config.zero_optimization
+    switches = switches_of(zero, gloo=runs_on_gloo(mesh))
     check_hpz(zero.zero_hpz_partition_size, mesh)
     gathers = _leaves(plan, lambda leaf: zc.leaf_gather(leaf.param))
     from jaxspeed.models.gpt import GPT
