@@ -137,3 +137,30 @@ def test_balance_bias_trains_in_the_engine_and_checkpoints(tmp_path):
 def test_balance_bias_refuses_a_one_bit_optimizer():
     with pytest.raises(js.ConfigError, match="model.moe.balance=bias does not go with"):
         js.initialize(config(*EP4, "model.moe.balance=bias", "optimizer.type=OneBitAdam"))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_auto_reports_the_strategy_each_step_ran(stage, caplog):
+    """`parallelism: auto` with dynamic capacity: each step's metrics say which strategy the
+    MoE layer ran (`moe_auto_<strategy>`, 1 for the one that ran: one MoE layer here), one of
+    those priced at compile time (one log line per capacity bucket); a fixed strategy reports
+    none."""
+    import logging
+
+    from jaxspeed.moe.strategies import STRATEGIES
+
+    moe = ("model.moe={num_experts: 4, k: 2, every_n_layers: 2, capacity_factor: 4.0, "
+           "dynamic_capacity: true, a2a_hosts: 2, parallelism: %s}")
+    with caplog.at_level(logging.INFO, logger="jaxspeed.moe.strategies"):
+        engine = js.initialize(config(*EP4, f"zero_optimization.stage={stage}", moe % "auto"))
+        _, history = train(engine, engine.init(jax.random.key(0)), 2)
+    priced = {r.getMessage().split()[3] for r in caplog.records
+              if r.getMessage().startswith("MoE parallelism auto: ")}
+    assert priced and priced <= set(STRATEGIES), priced
+    for h in history:
+        ran = {s: h[f"moe_auto_{s}"] for s in STRATEGIES}
+        assert sorted(ran.values()) == [0.0, 0.0, 1.0], ran
+        assert max(ran, key=ran.get) in priced
+    fixed = js.initialize(config(*EP4, moe % "expert"))
+    _, history = train(fixed, fixed.init(jax.random.key(0)), 1)
+    assert not any(key.startswith("moe_auto_") for key in history[0])

@@ -41,7 +41,7 @@ from jaxspeed.moe.layer import GATING_RNG
 from jaxspeed.moe.layer import METRICS as MOE_METRICS
 from jaxspeed.ops import matmul
 from jaxspeed.ops import offload
-from jaxspeed.ops.losses import AUX_LOSS
+from jaxspeed.ops.losses import AUX_LOSS, STEP_METRICS
 from jaxspeed.ops.remat import checkpoint_policy
 from jaxspeed.sharding.zero_collectives import not_gathered
 
@@ -183,7 +183,7 @@ class GPT(nn.Module):
                                 static_argnums=(2,))
         scanned = nn.scan(
             unit_cls,
-            variable_axes={"params": 0, AUX_LOSS: 0, MOE_METRICS: 0, "cache": 0},
+            variable_axes={"params": 0, AUX_LOSS: 0, MOE_METRICS: 0, STEP_METRICS: 0, "cache": 0},
             split_rngs={"params": True, GATING_RNG: True},
             in_axes=nn.broadcast,
             length=num_units,

@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.ops.losses import AUX_LOSS  # one already-scaled scalar per MoE call, under "moe"
+from jaxspeed.ops.losses import AUX_LOSS, STEP_METRICS  # one already-scaled scalar per MoE call, under "moe"
 from jaxspeed.moe.all_to_all import ALGORITHMS
 from jaxspeed.moe.balance import BIAS_PARAM
 from jaxspeed.moe.expert_choice import ROUTINGS
 from jaxspeed.moe.experts import ACTIVATIONS, ExpertParams, expert_ffn
 from jaxspeed.moe.gating import NOISY_GATE_POLICIES
 from jaxspeed.moe.parallel import GatingOptions, moe_ffn
-from jaxspeed.moe.strategies import PARALLELISMS, Links
+from jaxspeed.moe.strategies import PARALLELISMS, STRATEGIES, Links
 
 #: Flax collection of routing metrics: "dropped_fraction", "expert_counts", "balance_loss"
 #: (Flax's own `sow` default, which trainers leave immutable).
@@ -193,7 +193,9 @@ class MoE(nn.Module):
         all-to-all), "data" (every expert's weights, gathered; the tokens stay),
         "expert_data" (the weights across hosts, the tokens inside each host), or "auto":
         per capacity (per step with `dynamic_capacity`), the cheapest by the cost model on
-        `cluster`'s links, logged (logger `jaxspeed.moe.strategies`). The same result.
+        `cluster`'s links, logged (logger `jaxspeed.moe.strategies`) once per capacity at
+        compile time; each step sows which one ran (`moe_auto_<strategy>`: 1 for the one
+        that ran) into `STEP_METRICS`, which the engine logs. The same result.
       cluster: the links `parallelism="auto"` prices the strategies on: a cluster's
         (`jaxspeed.moe.strategies.links_of(jaxspeed.autoplan.cluster.load_cluster(spec))`);
         None: every byte costs the same. In a config, `model.moe.cluster` is a cluster file
@@ -336,4 +338,7 @@ class MoE(nn.Module):
         self.sow(METRICS, "balance_loss", balance)
         self.sow(METRICS, "dropped_fraction", jnp.mean(out.dropped_fraction))
         self.sow(METRICS, "expert_counts", jnp.sum(out.expert_counts, axis=0))
+        if self.parallelism == "auto":  # what ran this step; the engine logs the sums
+            for name, share in zip(STRATEGIES, jnp.mean(out.strategy, axis=0)):
+                self.sow(STEP_METRICS, f"moe_auto_{name}", share)
         return y.astype(x.dtype).reshape(x.shape)

@@ -49,7 +49,7 @@ from jaxspeed.moe.all_to_all import (
 from jaxspeed.moe.balance import centered_load, report_load
 from jaxspeed.moe.expert_choice import expert_choice_gating
 from jaxspeed.moe.gating import Routing, gate_logits, top_k_gating
-from jaxspeed.moe.strategies import Links, choose
+from jaxspeed.moe.strategies import STRATEGIES, Links, choose
 
 #: `fold_in` stream of DeepSpeed's `Jitter` (gating.py uses streams 0-2 for the rest).
 _JITTER_STREAM = 3
@@ -110,6 +110,9 @@ class MoEOutput(NamedTuple):
       z_loss: fp32 `[G]`, the router z-loss per group, already scaled by `z_loss_coef`.
       expert_counts: int32 `[G, E]`, choices per expert before drops.
       dropped_fraction: fp32 `[G]`.
+      strategy: fp32 `[G, len(STRATEGIES)]`, one-hot: the strategy (`jaxspeed.moe.strategies`)
+        the step's exchange ran, per step (the capacity bucket's with `dynamic_capacity`);
+        all zeros where nothing is exchanged (no expert axis, dropless).
     """
 
     y: jax.Array
@@ -117,6 +120,7 @@ class MoEOutput(NamedTuple):
     z_loss: jax.Array
     expert_counts: jax.Array
     dropped_fraction: jax.Array
+    strategy: jax.Array
 
 
 def data_parallel_axes(expert_axis: str = "expert") -> dict[str, int]:
@@ -204,7 +208,8 @@ def _exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: s
     """The experts' FFN on the dispatched buffer `[E, S, M]`, by `opts.parallelism`
     (`jaxspeed.moe.strategies`): on the experts' owners (`expert`), here with every expert
     gathered (`data`), or on the owners inside the host with the other hosts' experts gathered
-    (`expert_data`); `auto` picks one of them for this buffer's size.
+    (`expert_data`); `auto` picks one of them for this buffer's size. Returns the FFN's
+    output and the strategy that ran (None without an expert axis).
 
     `expert`'s exchange is flat or, with `opts.all_to_all="hierarchical"`, inside each of the
     `opts.a2a_hosts` hosts first and then across them (`hierarchical_all_to_all`).
@@ -214,7 +219,7 @@ def _exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: s
     is row by row, so the result is the unchunked one.
     """
     if ep == 1:
-        return expert_ffn(buf, experts, activation=opts.activation)
+        return expert_ffn(buf, experts, activation=opts.activation), None
     hosts, hierarchical = opts.a2a_hosts or 1, opts.all_to_all == "hierarchical"
     strategy = choose(
         opts.parallelism, buffer_bytes=buf.size * buf.dtype.itemsize,
@@ -225,7 +230,7 @@ def _exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: s
     if strategy in gather:
         experts = ExpertParams(*(None if w is None else gather[strategy](w) for w in experts))
     if strategy == "data":
-        return expert_ffn(buf, experts, activation=opts.activation)
+        return expert_ffn(buf, experts, activation=opts.activation), strategy
     if strategy == "expert_data":  # device l of each host owns the experts of shards h*L + l
         per_host = ep // hosts
         buf = _swap_expert_blocks(buf, hosts, per_host)
@@ -245,7 +250,7 @@ def _exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: s
         [one(part) for part in jnp.split(buf, chunks, axis=1)], axis=1)
     if strategy == "expert_data":
         out = _swap_expert_blocks(out, per_host, hosts)
-    return out
+    return out, strategy
 
 
 def _swap_expert_blocks(buf, outer: int, inner: int):
@@ -257,7 +262,8 @@ def _swap_expert_blocks(buf, outer: int, inner: int):
 
 def _experts_via_buffers(x, routing: Routing, experts: ExpertParams, *, opts: GatingOptions,
                          expert_axis: str | None, ep: int):
-    """Dispatch to `[E, G_l*C, M]`, all-to-all to the experts' owners, FFN, back, combine."""
+    """Dispatch to `[E, G_l*C, M]`, all-to-all to the experts' owners, FFN, back, combine;
+    also the strategy that ran, one-hot (`ran`)."""
     groups, tokens, width = x.shape
     num_experts = opts.num_experts
     flat = _flat_routing(routing, num_experts)
@@ -266,9 +272,15 @@ def _experts_via_buffers(x, routing: Routing, experts: ExpertParams, *, opts: Ga
                    impl=opts.impl)  # [G_l*E, C, M]
     buf = buf.reshape(groups, num_experts, capacity, width).transpose(1, 0, 2, 3)
     buf = buf.reshape(num_experts, groups * capacity, width)
-    out = _exchange(buf, experts, opts=opts, expert_axis=expert_axis, ep=ep)
+    out, strategy = _exchange(buf, experts, opts=opts, expert_axis=expert_axis, ep=ep)
     out = out.reshape(num_experts, groups, capacity, width).transpose(1, 0, 2, 3)
-    return combine(out.reshape(groups * num_experts, capacity, width), flat, impl=opts.impl)
+    y = combine(out.reshape(groups * num_experts, capacity, width), flat, impl=opts.impl)
+    return y, ran(strategy)
+
+
+def ran(strategy: str | None) -> jax.Array:
+    """fp32 `[len(STRATEGIES)]`: one-hot at `strategy`, all zeros for None."""
+    return jnp.asarray([float(s == strategy) for s in STRATEGIES], jnp.float32)
 
 
 def _local_moe(x, gate_kernel, experts: ExpertParams, rng, bias=None, *, opts: GatingOptions,
@@ -297,6 +309,7 @@ def _local_moe(x, gate_kernel, experts: ExpertParams, rng, bias=None, *, opts: G
                          routing.expert_index.reshape(groups * tokens, -1),
                          routing.weight.reshape(groups * tokens, -1), experts,
                          activation=opts.activation)
+        strategy = ran(None)
     elif opts.dynamic_capacity and opts.drop_tokens and not opts.eval_mode:
         buckets = capacity_buckets(tokens, opts.num_experts, k=opts.k,
                                    capacity_factor=-opts.capacity_factor,
@@ -307,13 +320,14 @@ def _local_moe(x, gate_kernel, experts: ExpertParams, rng, bias=None, *, opts: G
 
         def at_capacity(x, capacity):
             routed = _route(x, gate_kernel, rng, group_ids, opts, capacity=capacity, bias=bias)
-            return run(x, routed), routed.dropped_fraction
+            return *run(x, routed), routed.dropped_fraction
 
-        # Counts, aux and z-loss do not depend on the capacity; the drops do.
-        y, dropped = switch_on_capacity(at_capacity, busiest[None], buckets, x)
+        # Counts, aux and z-loss do not depend on the capacity; the drops (and, with
+        # `parallelism: auto`, the strategy) do.
+        y, strategy, dropped = switch_on_capacity(at_capacity, busiest[None], buckets, x)
         routing = routing._replace(dropped_fraction=dropped)
     else:
-        y = run(x, routing)
+        y, strategy = run(x, routing)
     if bias is not None:  # each device reports 1/n of its share: the sum is the global one
         load = centered_load(routing.expert_counts)
         if sync_axes:
@@ -321,7 +335,8 @@ def _local_moe(x, gate_kernel, experts: ExpertParams, rng, bias=None, *, opts: G
             bias = jax.lax.pcast(bias, sync_axes, to="varying")
         y = report_load(y, bias, load.astype(bias.dtype))
     return MoEOutput(y, routing.aux_loss, routing.z_loss, routing.expert_counts,
-                     routing.dropped_fraction)
+                     routing.dropped_fraction,
+                     jnp.broadcast_to(strategy, (groups, len(STRATEGIES))))
 
 
 def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
@@ -393,6 +408,6 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
     bias_spec = None if selection_bias is None else P()
     out = jax.shard_map(
         body, in_specs=(P(axes), P(), expert_spec, key_spec, bias_spec),
-        out_specs=MoEOutput(P(axes), P(axes), P(axes), P(axes), P(axes)),
+        out_specs=MoEOutput(*(P(axes),) * len(MoEOutput._fields)),
         axis_names=frozenset(axes))(xg, gate_kernel, experts, rng, selection_bias)
     return out._replace(y=out.y.reshape(tokens, width))

@@ -1,4 +1,4 @@
-"""Language-model loss: next-token cross entropy on pre-shifted targets."""
+"""Language-model loss, and the sown collections the engine adds to the loss or logs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
 
 
 def lm_loss(logits: jax.Array, batch: Mapping[str, Any]) -> jax.Array:
@@ -50,3 +51,19 @@ def total_aux_loss(collections: Mapping[str, Any]) -> jax.Array | None:
     if not leaves:
         return None
     return sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in leaves)
+
+
+#: The Flax variable collection layers `sow` per-step scalar metrics into (e.g. which MoE
+#: strategy ran); the engine logs, for each name, the sum of its leaves over the model.
+STEP_METRICS = "step_metrics"
+
+
+def step_metrics(collections: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """Name → the sum (float32) of every value sown under that name in `STEP_METRICS`."""
+    flat = traverse_util.flatten_dict(dict(collections.get(STEP_METRICS, {})))
+    totals: dict[str, jax.Array] = {}
+    for path, values in flat.items():
+        for leaf in jax.tree.leaves(values):
+            total = jnp.sum(leaf.astype(jnp.float32))
+            totals[path[-1]] = totals[path[-1]] + total if path[-1] in totals else total
+    return totals

@@ -16,7 +16,7 @@ import flax.core
 from flax import nnx
 
 from jaxspeed.errors import JaxspeedError
-from jaxspeed.ops.losses import AUX_LOSS, total_aux_loss
+from jaxspeed.ops.losses import AUX_LOSS, STEP_METRICS, step_metrics, total_aux_loss
 from jaxspeed.tree_paths import key_names
 
 
@@ -37,11 +37,12 @@ class ModelFns(NamedTuple):
       abstract_params: pytree of `ShapeDtypeStruct`, the parameter structure.
       logical_axes: pytree like the params of logical-name tuples (or None), or a function
         `(path, leaf) -> names`.
-      apply: `(params, inputs, rng, train, **features) -> (outputs, aux_loss)`; `features`
-        are the batch's per-token `TOKEN_FEATURES` when it has them (packed sequences),
-        passed to the model as keyword arguments; `aux_loss` is the sum of the auxiliary
-        losses the model recorded (Linen: `sow`n into the `aux_loss` collection), or None
-        when it records none.
+      apply: `(params, inputs, rng, train, **features) -> (outputs, aux_loss, metrics)`;
+        `features` are the batch's per-token `TOKEN_FEATURES` when it has them (packed
+        sequences), passed to the model as keyword arguments; `aux_loss` is the sum of the
+        auxiliary losses the model recorded (Linen: `sow`n into the `aux_loss` collection),
+        or None when it records none; `metrics`: name → float32 scalar the model recorded
+        for this step (Linen: the `step_metrics` collection, `step_metrics`), logged.
       init: `(rng) -> params`, traceable (jitted with the plan's shardings), or None when
         the params already exist (`initial_params`).
       initial_params: concrete params (NNX instances, plain pytrees), else None.
@@ -54,8 +55,8 @@ class ModelFns(NamedTuple):
     initial_params: Any
 
 
-#: What `init` keeps: every collection but the sown auxiliary losses and intermediates.
-_INIT_COLLECTIONS = flax.core.DenyList((AUX_LOSS, "intermediates"))
+#: What `init` keeps: every collection but the sown losses, metrics and intermediates.
+_INIT_COLLECTIONS = flax.core.DenyList((AUX_LOSS, STEP_METRICS, "intermediates"))
 
 
 def _rngs(rng: jax.Array, *, params: bool = False) -> dict[str, jax.Array]:
@@ -80,9 +81,9 @@ def linen_apply(module: nn.Module):
         rngs = _rngs(rng)
         kwargs = {"deterministic": not train} if flag else {}
         outputs, state = module.apply(
-            {"params": params}, inputs, rngs=rngs, mutable=[AUX_LOSS], **kwargs, **features
-        )
-        return outputs, total_aux_loss(state)
+            {"params": params}, inputs, rngs=rngs, mutable=[AUX_LOSS, STEP_METRICS], **kwargs,
+            **features)
+        return outputs, total_aux_loss(state), step_metrics(state)
 
     return apply
 
@@ -91,7 +92,8 @@ def linen_fns(module: nn.Module, sample_inputs) -> ModelFns:
     """Linen: params come from `module.init`, logical axes from `nn.with_logical_partitioning`.
 
     The apply passes the `gating` and `dropout` rngs, `deterministic=not train` when the
-    module's `__call__` takes it (the Flax convention), and collects the `aux_loss` collection.
+    module's `__call__` takes it (the Flax convention), and collects the `aux_loss` and
+    `step_metrics` collections.
     """
     def init(rng):
         variables = module.init(_rngs(rng, params=True), sample_inputs, mutable=_INIT_COLLECTIONS)
@@ -148,7 +150,7 @@ def nnx_fns(model: nnx.Module) -> ModelFns:
         abstract_params=jax.eval_shape(lambda: params),
         logical_axes=logical_axes,
         apply=lambda p, inputs, rng, train, **features: (
-            nnx.merge(graphdef, p, rest)(inputs, **features), None),
+            nnx.merge(graphdef, p, rest)(inputs, **features), None, {}),
         init=None,
         initial_params=params,
     )
@@ -169,7 +171,8 @@ def pytree_fns(apply: Callable, params, param_axes=None) -> ModelFns:
     return ModelFns(
         abstract_params=jax.eval_shape(lambda: params),
         logical_axes=param_axes,
-        apply=lambda p, inputs, rng, train, **features: (apply(p, inputs, **features), None),
+        apply=lambda p, inputs, rng, train, **features: (
+            apply(p, inputs, **features), None, {}),
         init=None,
         initial_params=params,
     )

@@ -101,7 +101,8 @@ def reference_gpt(config: Config):
 def step_objective(config: Config, mesh: Mesh, fns: ModelFns, loss_fn, model):
     """The step's `(params, batch, rng, train) -> (loss, extras)` (see `train_step.Objective`).
 
-    The model's loss plus the auxiliary losses it records (logged as `aux_loss`); with
+    The model's loss plus the auxiliary losses it records (logged as `aux_loss`, beside the
+    step metrics it records); with
     `mesh.pipe > 1`, the reference GPT's layers run as a pipeline over `pipe`.
     """
     if mesh.shape.get(PIPE, 1) > 1:
@@ -120,11 +121,12 @@ def step_objective(config: Config, mesh: Mesh, fns: ModelFns, loss_fn, model):
         return pipelined_objective
 
     def objective(params, batch, rng, train):
-        outputs, aux = fns.apply(params, batch["inputs"], rng, train, **token_features(batch))
+        outputs, aux, metrics = fns.apply(params, batch["inputs"], rng, train,
+                                          **token_features(batch))
         loss = loss_fn(outputs, batch).astype(jnp.float32)
         if aux is None:
-            return loss, {}
-        return loss + aux, {"aux_loss": aux}
+            return loss, metrics
+        return loss + aux, {"aux_loss": aux, **metrics}
 
     return objective
 
