@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from jaxspeed.autoplan import gloo, placement, traffic
+from jaxspeed.autoplan import comm, gloo, placement, traffic
 from jaxspeed.autoplan.cluster import Cluster, load_cluster, save_cluster
 from jaxspeed.autoplan.estimate import estimate, param_counts
 from jaxspeed.autoplan.predict import PREDICTED_KEYS, onebit_alternatives
@@ -77,6 +77,13 @@ def test_flat_seconds_is_the_busiest_link_plus_a_latency_a_round():
     seconds = gloo.flat_seconds(load, devices_per_host=2, intra=cluster.intra_host,
                                 inter=cluster.inter_host)
     assert seconds == pytest.approx(1.5 + 6 * 200e-6)  # 1.5 x 12.5 MB over 12.5 MB/s
+    # a calibrated link's fixed cost a collective, once, whatever the rounds
+    inter = cluster.inter_host.model_copy(update={"overhead_us": 3000.0})
+    with_overhead = gloo.flat_seconds(load, devices_per_host=2, intra=cluster.intra_host,
+                                      inter=inter)
+    assert with_overhead == pytest.approx(seconds + 3e-3)
+    assert comm.collective_seconds("all-gather", 1e6, 4, inter) == pytest.approx(
+        comm.collective_seconds("all-gather", 1e6, 4, cluster.inter_host) + 3e-3)
 
 
 # -- the byte model against hand counts and the compiled step ------------------------------------

@@ -146,10 +146,25 @@ def test_calibrate_measures_the_cpu_devices(tmp_path):
         cluster.update_bandwidth.compressed_gbps,
     ]
     assert all(math.isfinite(value) and value > 0 for value in figures), figures
+    assert math.isfinite(cluster.intra_host.overhead_us) and cluster.intra_host.overhead_us >= 0
     assert 0 < cluster.efficiency <= 1
     assert cluster.inter_host == cluster.intra_host
     assert cluster.device_memory_bytes * 8 <= cluster.host_memory_bytes
     assert load_cluster(tmp_path / "here.yaml") == cluster
+
+
+def test_overhead_probe_is_a_chain_of_separate_gathers():
+    """The overhead probe runs `BURST` all-gathers one after another (none merged away), and
+    a collective's overhead is its share of the burst beyond the fastest lone one."""
+    from jaxspeed.cost.hlo import collectives
+
+    mesh = jax.make_mesh((8,), ("devices",), axis_types=(jax.sharding.AxisType.Explicit,))
+    fn, args = calibrate_module._gather_probe(mesh, 1, burst=calibrate_module.BURST)
+    ops = collectives(fn.lower(*args).compile().as_text(), num_devices=8)
+    assert [op.kind for op in ops] == ["all-gather"] * calibrate_module.BURST
+    burst = calibrate_module.BURST
+    assert calibrate_module._overhead(burst * 3e-3, 1e-3) == pytest.approx(2e-3)
+    assert calibrate_module._overhead(burst * 1e-3, 2e-3) == 0.0  # never negative
 
 
 def test_calibrate_needs_two_devices():

@@ -30,6 +30,8 @@ from jaxspeed.errors import JaxspeedError
 
 _AXIS = "devices"
 _TINY = "_tiny"  #: the suffix of a latency probe's name (`_interleaved_medians`)
+#: Tiny all-gathers one after another in an overhead probe (`_gather_probe`'s `burst`).
+BURST = 16
 _HOSTS, _LOCAL = "hosts", "local"  # the 2-D mesh of several hosts: across them, inside one
 #: Layers of the MLP whose training step gives `efficiency`.
 _LAYERS = 4
@@ -65,7 +67,11 @@ def calibrate(
       `[hosts, per host]` mesh and the link between hosts is measured by all-gathers across
       hosts, every device in one at once (so the figure is per device, each host's network
       shared by its devices), and `intra_host` by all-gathers inside each host; `collectives`
-      is then `gloo` on CPU (the flat algorithms XLA:CPU runs between processes).
+      is then `gloo` on CPU (the flat algorithms XLA:CPU runs between processes). Each link's `overhead_us`: a burst of `BURST` one-float all-gathers, each
+      on the last one's result, per gather (median of the rounds), less the fastest lone
+      one: what a collective costs in a sequence of them beyond its hops (on CPU devices
+      sharing a core, the threads' hand-over: 2-4 ms a collective, measured, where the
+      fastest lone round took 0.4-1.7 ms).
     * `device_memory`: the device's allocator limit where it reports one (GPU, TPU); CPU
       devices share host RAM, so there it is RAM / local devices.
     * `host_memory`: physical RAM from `os.sysconf`.
@@ -122,9 +128,10 @@ def calibrate(
     if hosts > 1:
         two = jax.make_mesh((hosts, per_host), (_HOSTS, _LOCAL),
                             axis_types=(AxisType.Explicit,) * 2, devices=devices)
-        levels = {f"{axis}_{size}": _gather_probe(two, count, axis=axis)
+        levels = {f"{axis}_{size}": _gather_probe(two, count, axis=axis, burst=burst)
                   for axis, peers in ((_HOSTS, hosts), (_LOCAL, per_host)) if peers > 1
-                  for size, count in (("large", max(1, round(floats / peers))), ("tiny", 1))}
+                  for size, count, burst in (("large", max(1, round(floats / peers)), 1),
+                                             ("tiny", 1, 1), ("burst", 1, BURST))}
     here = [d for d in devices if d.process_index == jax.process_index()]
     updates = {name: update_probe(probe, here, floats)
                for name, probe in (("update_plain", PLAIN_PROBE),
@@ -143,6 +150,7 @@ def calibrate(
             "stream": _stream_probe(mesh, floats),
             "gather": _gather_probe(mesh, shard),
             "gather_tiny": _gather_probe(mesh, 1),
+            "gather_burst": _gather_probe(mesh, 1, burst=BURST),
             "host": _host_probe(mesh, floats),
             "host_tiny": _host_probe(mesh, 1),
         },
@@ -152,6 +160,7 @@ def calibrate(
     link = {
         "bandwidth_gbps": (g - 1) / g * gathered / _bare(seconds["gather"], seconds["gather_tiny"]) / 1e9,
         "latency_us": seconds["gather_tiny"] / (g - 1) * 1e6,
+        "overhead_us": _overhead(seconds["gather_burst"], seconds["gather_tiny"]) * 1e6,
     }
     intra, inter = link, link
     if hosts > 1:
@@ -189,7 +198,13 @@ def _link(seconds: Mapping[str, float], axis: str, peers: int, floats: int) -> d
     gathered = 4 * peers * max(1, round(floats / peers))
     bare = _bare(seconds[f"{axis}_large"], seconds[f"{axis}_tiny"])
     return {"bandwidth_gbps": (peers - 1) / peers * gathered / bare / 1e9,
-            "latency_us": seconds[f"{axis}_tiny"] / (peers - 1) * 1e6}
+            "latency_us": seconds[f"{axis}_tiny"] / (peers - 1) * 1e6,
+            "overhead_us": _overhead(seconds[f"{axis}_burst"], seconds[f"{axis}_tiny"]) * 1e6}
+
+
+def _overhead(burst_s: float, tiny_s: float) -> float:
+    """Seconds a collective costs in a burst beyond the fastest lone one (at least 0)."""
+    return max(0.0, burst_s / BURST - tiny_s)
 
 
 def _algorithms(devices: Sequence[jax.Device], hosts: int) -> str:
@@ -283,15 +298,24 @@ def _host_probe(mesh: jax.sharding.Mesh, per_device: int) -> _Probe:
     return (lambda a: to_device(to_host(a))), (x,)
 
 
-def _gather_probe(mesh: jax.sharding.Mesh, per_device: int, axis: str = _AXIS) -> _Probe:
+def _gather_probe(mesh: jax.sharding.Mesh, per_device: int, axis: str = _AXIS,
+                  burst: int = 1) -> _Probe:
     """An all-gather over `axis` of `per_device` floats each (`4 peers per_device` bytes of
-    result per device); on a 2-D mesh every group along `axis` runs at once."""
+    result per device); on a 2-D mesh every group along `axis` runs at once. With `burst`,
+    that many, each gathering a slice of the last one's result (so none can start early or
+    be merged with another)."""
     spec = P(mesh.axis_names)  # one shard per device
+
+    def gathers(shard):
+        for _ in range(burst):
+            gathered = jax.lax.all_gather(shard, axis, tiled=True)
+            shard = gathered[: shard.shape[0]]
+        return gathered
+
     gather = jax.jit(
         jax.shard_map(
-            lambda shard: jax.lax.all_gather(shard, axis, tiled=True),
-            mesh=mesh, in_specs=spec, out_specs=P(tuple(a for a in mesh.axis_names if a != axis)),
-            check_vma=False,
+            gathers, mesh=mesh, in_specs=spec,
+            out_specs=P(tuple(a for a in mesh.axis_names if a != axis)), check_vma=False,
         )
     )  # fmt: skip
     x = jax.device_put(np.ones((mesh.size * per_device,), np.float32), NamedSharding(mesh, spec))

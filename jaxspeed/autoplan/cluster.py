@@ -60,11 +60,14 @@ class Link(_Section):
     """One class of link (NVLink-class inside a host, InfiniBand/Ethernet-class between hosts).
 
     `bandwidth_gbps` is GB/s (1e9 bytes/s) that one device can send while every device sends
-    at once; `latency_us` is the time of one message hop.
+    at once; `latency_us` is the time of one message hop; `overhead_us` what each collective
+    costs besides its hops, once, whatever its group (the runtime's own cost of starting and
+    finishing one: `calibrate` times a burst of tiny ones; 0 where not measured).
     """
 
     bandwidth_gbps: _PositiveFloat
     latency_us: Annotated[float, Field(strict=True, ge=0)] = 5.0
+    overhead_us: Annotated[float, Field(strict=True, ge=0)] = 0.0
 
 
 class PeakTflops(_Section):

@@ -15,6 +15,9 @@ input; all-reduce, all-to-all: the operand; collective-permute: what one device 
   all-to-all          (g-1)/g · B/bw + (g-1) · lat
   collective-permute  B/bw + lat
 
+each plus the link's `overhead_us` (a calibrated cluster's fixed cost a collective; 0 in the
+presets), once per collective, or per step of a hierarchical one.
+
 A group that spans H hosts with k members on each is costed hierarchically (`collective_time`),
 as NCCL runs it (`ALGORITHMS[0]`, "nccl"). Gloo, which carries XLA:CPU's collectives between
 processes, runs flat algorithms in the group's rank order instead (`ALGORITHMS[1]`, "gloo";
@@ -28,7 +31,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from jaxspeed.autoplan.gloo import flat_seconds, link_load
+from jaxspeed.autoplan.gloo import flat_seconds, link_load, overhead_seconds
 from jaxspeed.autoplan.placement import (
     along, axis_sizes, box, coords_of, group_axes, ordered_groups,
 )
@@ -45,6 +48,7 @@ class LinkSpeed(Protocol):
 
     bandwidth_gbps: float  #: GB/s (1e9 bytes/s) one device sends while all send at once
     latency_us: float  #: one message hop
+    # optionally `overhead_us`: once per collective, besides its hops (`overhead_seconds`)
 
 
 def collective_seconds(kind: str, nbytes: float, group_size: int, link: LinkSpeed) -> float:
@@ -67,9 +71,9 @@ def collective_seconds(kind: str, nbytes: float, group_size: int, link: LinkSpee
         return 0.0
     bw, lat, g = link.bandwidth_gbps * 1e9, link.latency_us * 1e-6, group_size
     if kind == "collective-permute":
-        return nbytes / bw + lat
+        return nbytes / bw + lat + overhead_seconds(link)
     rounds = 2 if kind == "all-reduce" else 1
-    return rounds * ((g - 1) / g * nbytes / bw + (g - 1) * lat)
+    return rounds * ((g - 1) / g * nbytes / bw + (g - 1) * lat) + overhead_seconds(link)
 
 
 def _placement(members: Sequence[int], devices_per_host: int) -> tuple[int, int]:

@@ -117,12 +117,18 @@ def link_load(
 
 def flat_seconds(load: LinkLoad, *, devices_per_host: int, intra: LinkSpeed,
                  inter: LinkSpeed) -> float:
-    """Seconds of a flat collective of `load`: its busiest link's bytes, plus a latency a round.
+    """Seconds of a flat collective of `load`: its busiest link's bytes, plus a latency a round
+    and the link's fixed cost a collective (`overhead_us`).
 
     A host's network link moves `inter.bandwidth_gbps x devices_per_host` (the cluster's
     figures are per device with every device sending); the links inside a host run at once.
     """
     host_bw = inter.bandwidth_gbps * 1e9 * devices_per_host
     busiest = max(load.cross_host / host_bw, load.intra_host / (intra.bandwidth_gbps * 1e9))
-    latency = (inter if load.crosses else intra).latency_us * 1e-6
-    return busiest + load.rounds * latency
+    link = inter if load.crosses else intra
+    return busiest + load.rounds * link.latency_us * 1e-6 + overhead_seconds(link)
+
+
+def overhead_seconds(link: LinkSpeed) -> float:
+    """A collective's fixed cost on `link`: its `overhead_us` (a `Cluster` link's), else 0."""
+    return getattr(link, "overhead_us", 0.0) * 1e-6
