@@ -167,6 +167,15 @@ def test_overhead_probe_is_a_chain_of_separate_gathers():
     assert calibrate_module._overhead(burst * 1e-3, 2e-3) == 0.0  # never negative
 
 
+def test_large_gathers_between_hosts_go_in_pieces_of_at_most_a_mib():
+    piece, pieces = calibrate_module._pieces(2**22, 2)  # 16 MiB of floats over 2 hosts
+    assert (piece, pieces) == (calibrate_module.PIECE, 8)
+    assert calibrate_module._pieces(1000, 2) == (500, 1)
+    piece, pieces = calibrate_module._pieces(3 * calibrate_module.PIECE + 1, 1)
+    assert pieces == 4 and piece * pieces >= 3 * calibrate_module.PIECE + 1
+    assert piece <= calibrate_module.PIECE
+
+
 def test_calibrate_needs_two_devices():
     with pytest.raises(JaxspeedError, match="at least 2 devices"):
         calibrate(jax.devices()[:1], **QUICK)

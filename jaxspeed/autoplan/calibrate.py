@@ -32,6 +32,9 @@ _AXIS = "devices"
 _TINY = "_tiny"  #: the suffix of a latency probe's name (`_interleaved_medians`)
 #: Tiny all-gathers one after another in an overhead probe (`_gather_probe`'s `burst`).
 BURST = 16
+#: Between hosts, the large all-gather goes in pieces of at most this many floats a device
+#: (1 MiB), one after another: the messages a step sends there (`_pieces`).
+PIECE = 2**18
 _HOSTS, _LOCAL = "hosts", "local"  # the 2-D mesh of several hosts: across them, inside one
 #: Layers of the MLP whose training step gives `efficiency`.
 _LAYERS = 4
@@ -66,7 +69,8 @@ def calibrate(
       a host is one process's devices, as the two-level mesh has it), the devices form a
       `[hosts, per host]` mesh and the link between hosts is measured by all-gathers across
       hosts, every device in one at once (so the figure is per device, each host's network
-      shared by its devices), and `intra_host` by all-gathers inside each host; `collectives`
+      shared by its devices; in pieces of at most `PIECE` floats a device, one after
+      another), and `intra_host` by all-gathers inside each host; `collectives`
       is then `gloo` on CPU (the flat algorithms XLA:CPU runs between processes). Each link's `overhead_us`: a burst of `BURST` one-float all-gathers, each
       on the last one's result, per gather (median of the rounds), less the fastest lone
       one: what a collective costs in a sequence of them beyond its hops (on CPU devices
@@ -130,7 +134,7 @@ def calibrate(
                             axis_types=(AxisType.Explicit,) * 2, devices=devices)
         levels = {f"{axis}_{size}": _gather_probe(two, count, axis=axis, burst=burst)
                   for axis, peers in ((_HOSTS, hosts), (_LOCAL, per_host)) if peers > 1
-                  for size, count, burst in (("large", max(1, round(floats / peers)), 1),
+                  for size, count, burst in (("large", *_pieces(floats, peers)),
                                              ("tiny", 1, 1), ("burst", 1, BURST))}
     here = [d for d in devices if d.process_index == jax.process_index()]
     updates = {name: update_probe(probe, here, floats)
@@ -193,10 +197,23 @@ def calibrate(
     return cluster.model_copy(update={"efficiency": step_efficiency(probed, seconds["model_step"], cluster)})
 
 
+def _pieces(floats: int, peers: int) -> tuple[int, int]:
+    """(floats a device sends in each piece, pieces) of a `floats`-float all-gather over
+    `peers` between hosts: pieces of at most `PIECE`. Gloo sends a device's share as one
+    message; over a 100 Mbit/s tbf link one of 8 MiB gave 5.85, 5.86 and 4.90 MB/s a device
+    in three calibrations (one TCP stream: 6.04), and a message past about a MiB can lose
+    throughput there (`jaxspeed.autoplan.gloo`), while a step's messages are at most that."""
+    share = max(1, round(floats / peers))
+    pieces = -(-share // PIECE)
+    return -(-share // pieces), pieces
+
+
 def _link(seconds: Mapping[str, float], axis: str, peers: int, floats: int) -> dict[str, float]:
-    """A link from the all-gathers over `axis` (every group at once): the ring formula."""
-    gathered = 4 * peers * max(1, round(floats / peers))
-    bare = _bare(seconds[f"{axis}_large"], seconds[f"{axis}_tiny"])
+    """A link from the all-gathers over `axis` (every group at once): the ring formula, on
+    the large gather's pieces, each less a tiny gather's time in a burst."""
+    piece, pieces = _pieces(floats, peers)
+    gathered = 4 * peers * piece * pieces
+    bare = _bare(seconds[f"{axis}_large"], pieces * seconds[f"{axis}_burst"] / BURST)
     return {"bandwidth_gbps": (peers - 1) / peers * gathered / bare / 1e9,
             "latency_us": seconds[f"{axis}_tiny"] / (peers - 1) * 1e6,
             "overhead_us": _overhead(seconds[f"{axis}_burst"], seconds[f"{axis}_tiny"]) * 1e6}
