@@ -221,7 +221,8 @@ def summarize(rows: dict[str, Row], tolerance: float) -> list[dict]:
                     "ratio": round(a / b, 3) if a and b else None,
                     "loss": loss, "baseline_loss": base_loss,
                     "loss_rel_diff": None if rel is None else round(rel, 4),
-                    "loss_within": None if rel is None else abs(rel) <= tolerance})
+                    # the bar is on ending worse: a compressed run may end lower
+                    "loss_within": None if rel is None else rel <= tolerance})
     return out
 
 
@@ -258,6 +259,8 @@ def print_table(rows: dict[str, Row], summary: list[dict], ranking: dict,
         pm = (r.predicted_tokens_per_second / r.tokens_per_second
               if r.predicted_tokens_per_second and r.tokens_per_second else None)
         within = {True: "", False: f" (over {tolerance:.0%})", None: ""}[s.get("loss_within")]
+        if s.get("loss_rel_diff") is not None and s["loss_rel_diff"] < -tolerance:
+            within = f" (over {tolerance:.0%} below)"
         print(f"{name:<14} {_num(r.tokens_per_second):>9} "
               f"{_num(r.predicted_tokens_per_second):>9} {_num(pm, '{:.2f}'):>9} "
               f"{s.get('baseline') or '-':<6} {_num(s.get('ratio'), '{:.2f}x'):>7} "

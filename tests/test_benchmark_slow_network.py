@@ -355,3 +355,13 @@ def test_real_link_is_shaped_and_removed_on_sigterm(tmp_path):
     assert not any(ns in listed for ns in namespaces)
     assert not any(os.path.exists(f"/etc/netns/{ns}") for ns in namespaces)
     assert shutil.which("ip")
+
+
+def test_the_loss_bar_is_on_ending_above_the_baseline():
+    """A compressed run may end lower than its baseline (within); 3% above is not."""
+    def row(name, baseline, loss):
+        return slow_network.Row(name, baseline, [], tokens_per_second=100.0, last_loss=loss)
+    rows = {"lamb": row("lamb", None, 4.0), "onebit_lamb": row("onebit_lamb", "lamb", 3.8),
+            "adamw": row("adamw", None, 2.0), "onebit_adam": row("onebit_adam", "adamw", 2.1)}
+    within = {s["config"]: s["loss_within"] for s in slow_network.summarize(rows, 0.03)}
+    assert within == {"onebit_lamb": True, "onebit_adam": False}
