@@ -242,7 +242,7 @@ def test_balance_values_are_checked():
 
 from jaxspeed.cost.hlo import collectives  # noqa: E402
 from jaxspeed.moe.all_to_all import hierarchical_all_to_all, spanned_hosts  # noqa: E402
-from jaxspeed.moe.parallel import MAX_AUTO_CHUNKS, MIN_CHUNK_BYTES, a2a_chunk_count  # noqa: E402
+from jaxspeed.moe.all_to_all import MAX_AUTO_CHUNKS, MIN_CHUNK_BYTES, a2a_chunk_count  # noqa: E402
 
 
 @pytest.mark.parametrize("hosts", [2, 4])

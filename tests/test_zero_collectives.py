@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxspeed.cost import hlo
 from jaxspeed.ops import quantize as qz
 from jaxspeed.sharding import zero_collectives as zc
+from jaxspeed.sharding import zero_traffic as zt
 
 HOSTS, DATA = 2, 4
 AXES = ("data", "host")  # the ZeRO split: data-major (jaxspeed.runtime.mesh.ZERO_AXES)
@@ -216,6 +217,6 @@ def test_zero_traffic_matches_the_hlo(mesh):
         for op in ops:
             peers = len(op.groups[0])
             sent[_crosses_hosts(op)] += op.bytes * (peers - 1) // peers
-        traffic = zc.zero_traffic({"w": shape}, {"w": zc.LeafGather(0, AXES)},
+        traffic = zt.zero_traffic({"w": shape}, {"w": zc.LeafGather(0, AXES)},
                                   {"host": HOSTS, "data": DATA}, switches=switches)
         assert (traffic.intra_host, traffic.cross_host) == (sent[False], sent[True]), switches

@@ -24,6 +24,7 @@ from jaxspeed.cost import hlo
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops import quantize as qz
 from jaxspeed.sharding import zero_collectives as zc
+from jaxspeed.sharding import zero_traffic as zt
 from jaxspeed.train.zero_step import GLOO_BUCKET, runs_on_gloo, step_traffic, switches_of
 from test_engine import GLOBAL_BATCH, LR, RHO, batches, reference_from, tiny_config
 from numerics import assert_adam_params_close
@@ -183,7 +184,7 @@ def test_zeropp_step_moves_int8_weights_packed_int4_grads_and_crosses_hosts_once
     assert not any(_crosses_hosts(op) for op in per_layer)
     traffic = step_traffic(engine.config, engine.plan)
     assert (traffic.intra_host, traffic.cross_host) == _sent(ops)
-    assert traffic == zc.plan_traffic(
+    assert traffic == zt.plan_traffic(
         engine.plan, switches=switches_of(engine.config.zero_optimization), compute_bytes=2,
         per_layer=True, recompute=True)
 
@@ -192,9 +193,9 @@ def test_zeropp_step_moves_int8_weights_packed_int4_grads_and_crosses_hosts_once
     (HOSTS2, True), (["mesh.data=8", "mesh.hosts=2", Z + "stage=3"], False)])
 def test_plan_traffic_is_what_the_zero3_step_moves(overrides, per_layer):
     engine, _, ops = _step_collectives(*overrides)
-    traffic = zc.plan_traffic(engine.plan, compute_bytes=4, per_layer=per_layer)
+    traffic = zt.plan_traffic(engine.plan, compute_bytes=4, per_layer=per_layer)
     assert (traffic.intra_host, traffic.cross_host) == _sent(ops)
-    quantized = zc.plan_traffic(engine.plan, compute_bytes=2, per_layer=per_layer,
+    quantized = zt.plan_traffic(engine.plan, compute_bytes=2, per_layer=per_layer,
                                 switches=zc.Switches(True, 4, True))
     assert quantized.cross_host < traffic.cross_host / 4
 

@@ -70,12 +70,13 @@ def calibrate(
       `[hosts, per host]` mesh and the link between hosts is measured by all-gathers across
       hosts, every device in one at once (so the figure is per device, each host's network
       shared by its devices; in pieces of at most `PIECE` floats a device, one after
-      another), and `intra_host` by all-gathers inside each host; `collectives`
-      is then `gloo` on CPU (the flat algorithms XLA:CPU runs between processes). Each link's `overhead_us`: a burst of `BURST` one-float all-gathers, each
-      on the last one's result, per gather (median of the rounds), less the fastest lone
-      one: what a collective costs in a sequence of them beyond its hops (on CPU devices
-      sharing a core, the threads' hand-over: 2-4 ms a collective, measured, where the
-      fastest lone round took 0.4-1.7 ms).
+      another), and `intra_host` by all-gathers inside each host; `collectives` is then
+      `gloo` on CPU (the flat algorithms XLA:CPU runs between processes). Each link's
+      `overhead_us`: a burst of `BURST` one-float all-gathers, each on the last one's
+      result, per gather (median of the rounds), less the fastest lone one: what a
+      collective costs in a sequence of them beyond its hops (on CPU devices sharing a core,
+      the threads' hand-over: 2-4 ms a collective, measured, where the fastest lone round
+      took 0.4-1.7 ms).
     * `device_memory`: the device's allocator limit where it reports one (GPU, TPU); CPU
       devices share host RAM, so there it is RAM / local devices.
     * `host_memory`: physical RAM from `os.sysconf`.

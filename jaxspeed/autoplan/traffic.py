@@ -1,7 +1,7 @@
 """What a training step moves between devices, from the model's shapes: one `Transfer` per kind
 of collective, with the mesh axes its groups run along (in rank order) and how often per step.
 
-This is the planner's own byte model: `jaxspeed.sharding.zero_collectives.zero_traffic` prices
+This is the planner's own byte model: `jaxspeed.sharding.zero_traffic.zero_traffic` prices
 the ZeRO-3 collectives of a built sharding plan alike; this one needs no plan, also covers the
 optimizers and the other stages, and gives each collective's kind, which `comm` needs. Swap it by passing other `Transfer`s
 to `comm`. Bytes are per device in the profiler's full-buffer convention
@@ -22,8 +22,9 @@ to `comm`. Bytes are per device in the profiler's full-buffer convention
     the intra-host gathers run per use.
   - qgZ (`zero_quantized_gradients`): the reduce-scatter as one all-to-all per axis, inside the
     host first, of int4 (or int8) values plus a scale a block (again two collectives).
-  - Over gloo (`gloo=True`), a full-precision reduce-scatter of more elements than
-    `max_reduce_scatter_elements` resolves to runs in that many pieces, each a collective.
+  - A full-precision reduce-scatter of more elements than `max_reduce_scatter_elements`
+    (`auto`: 2**18 over gloo, `gloo=True`) runs in pieces of at most that many, each a
+    collective.
 - **1-bit Adam / 1-bit LAMB** after `freeze_step`: the compressed all-reduce of the momentum,
   one all-to-all and one all-gather over the batch axes, each of the packed sign bits (1/8 byte
   a parameter, each leaf padded to 8 N) plus fp32 scales; the frozen trust ratios of 1-bit LAMB

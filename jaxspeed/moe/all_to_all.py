@@ -15,6 +15,8 @@ source order along `concat`. Between hosts that is `per_host` messages per devic
 So the slow link carries `hosts - 1` messages per device, each `per_host` times larger, instead
 of `(hosts - 1) * per_host`, with the same bytes. Each exchange is a `ppermute` (its transpose is
 the reverse `ppermute`, so gradients are the same two stages backwards).
+
+`a2a_chunk_count` says in how many chunks the capacity buffer goes out (`MoE.a2a_chunks`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from jaxspeed.errors import ConfigError
 
 #: `MoE.all_to_all` values.
 ALGORITHMS = ("flat", "hierarchical")
@@ -161,3 +165,28 @@ def gather_across_hosts(x, axis: str, *, hosts: int):
         arrived.append(_shift(x, axis, pairs))
     got = jnp.take(jnp.stack(arrived), (host - jnp.arange(hosts)) % hosts, axis=0)
     return got.reshape(hosts * x.shape[0], *x.shape[1:])
+
+
+def a2a_chunk_count(chunks: int | str, slots: int, row_bytes: int, ep: int) -> int:
+    """The chunks the capacity buffer `[E, slots, M]` goes out in (`slots = G_l * C`).
+
+    `"auto"`: 1 without expert parallelism, else the most chunks, up to `MAX_AUTO_CHUNKS`,
+    that divide `slots` and leave each chunk's all-to-all at least `MIN_CHUNK_BYTES` (`row_bytes`
+    = `E * M * itemsize` per slot): below that a message pays more in latency than its overlap
+    hides. An int must divide `slots`.
+    """
+    if chunks == "auto":
+        if ep == 1:
+            return 1
+        fits = [n for n in range(1, MAX_AUTO_CHUNKS + 1)
+                if slots % n == 0 and slots // n * row_bytes >= MIN_CHUNK_BYTES]
+        return max(fits, default=1)
+    if slots % chunks:
+        raise ConfigError(
+            f"a2a_chunks={chunks} must divide the capacity buffer's {slots} slots per device "
+            f"(local groups x capacity); use a divisor of {slots} or 'auto'")
+    return chunks
+
+
+#: `a2a_chunks: auto`: at most this many chunks, each at least this many bytes.
+MAX_AUTO_CHUNKS, MIN_CHUNK_BYTES = 4, 256 * 1024

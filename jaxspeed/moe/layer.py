@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.ops.losses import AUX_LOSS, STEP_METRICS  # one already-scaled scalar per MoE call, under "moe"
+# AUX_LOSS: one already-scaled scalar per MoE call, under "moe"
+from jaxspeed.ops.losses import AUX_LOSS, STEP_METRICS
 from jaxspeed.moe.all_to_all import ALGORITHMS
 from jaxspeed.moe.balance import BIAS_PARAM
 from jaxspeed.moe.expert_choice import ROUTINGS
@@ -180,7 +181,7 @@ class MoE(nn.Module):
         many chunks, each its own all-to-all, FFN and all-to-all back, so chunk i+1's exchange
         can overlap chunk i's FFN where collectives run asynchronously (XLA:GPU); the same
         result as 1. "auto": up to 4 chunks of at least 256 KiB each
-        (`jaxspeed.moe.parallel.a2a_chunk_count`).
+        (`jaxspeed.moe.all_to_all.a2a_chunk_count`).
       all_to_all: "flat" or "hierarchical" (Tutel's 2D all-to-all,
         `jaxspeed.moe.all_to_all`): inside each host first, then across hosts with one
         message per device and host pair, so a slow link carries fewer, larger messages.

@@ -44,7 +44,8 @@ from jaxspeed.moe.experts import (
     switch_on_capacity,
 )
 from jaxspeed.moe.all_to_all import (
-    gather_across_hosts, hierarchical_all_to_all, spanned_hosts, within_host_all_to_all,
+    a2a_chunk_count, gather_across_hosts, hierarchical_all_to_all, spanned_hosts,
+    within_host_all_to_all,
 )
 from jaxspeed.moe.balance import centered_load, report_load
 from jaxspeed.moe.expert_choice import expert_choice_gating
@@ -76,7 +77,7 @@ class GatingOptions:
     eval_mode: bool = False
     dynamic_capacity: bool = False
     routing: str = "token_choice"  #: or "expert_choice" (`jaxspeed.moe.expert_choice`)
-    a2a_chunks: int | str = 1  #: or "auto" (`a2a_chunk_count`)
+    a2a_chunks: int | str = 1  #: or "auto" (`jaxspeed.moe.all_to_all.a2a_chunk_count`)
     all_to_all: str = "flat"  #: or "hierarchical" (`jaxspeed.moe.all_to_all`)
     a2a_hosts: int | None = None  #: hosts the expert axis spans; None: its processes
     parallelism: str = "expert"  #: `jaxspeed.moe.strategies.PARALLELISMS`
@@ -176,31 +177,6 @@ def _flat_routing(routing: Routing, num_experts: int) -> Routing:
         expert_index=(routing.expert_index + offset).reshape(groups * tokens, k),
         position=routing.position.reshape(groups * tokens, k),
         weight=routing.weight.reshape(groups * tokens, k))
-
-
-def a2a_chunk_count(chunks: int | str, slots: int, row_bytes: int, ep: int) -> int:
-    """The chunks the capacity buffer `[E, slots, M]` goes out in (`slots = G_l * C`).
-
-    `"auto"`: 1 without expert parallelism, else the most chunks, up to `MAX_AUTO_CHUNKS`,
-    that divide `slots` and leave each chunk's all-to-all at least `MIN_CHUNK_BYTES` (`row_bytes`
-    = `E * M * itemsize` per slot): below that a message pays more in latency than its overlap
-    hides. An int must divide `slots`.
-    """
-    if chunks == "auto":
-        if ep == 1:
-            return 1
-        fits = [n for n in range(1, MAX_AUTO_CHUNKS + 1)
-                if slots % n == 0 and slots // n * row_bytes >= MIN_CHUNK_BYTES]
-        return max(fits, default=1)
-    if slots % chunks:
-        raise ConfigError(
-            f"a2a_chunks={chunks} must divide the capacity buffer's {slots} slots per device "
-            f"(local groups x capacity); use a divisor of {slots} or 'auto'")
-    return chunks
-
-
-#: `a2a_chunks: auto`: at most this many chunks, each at least this many bytes.
-MAX_AUTO_CHUNKS, MIN_CHUNK_BYTES = 4, 256 * 1024
 
 
 def _exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: str | None,

@@ -36,6 +36,7 @@ from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE, TENSOR
 from jaxspeed.sharding.leaves import LeafPlan
 from jaxspeed.sharding.planner import Plan
 from jaxspeed.sharding import zero_collectives as zc
+from jaxspeed.sharding import zero_traffic as zt
 from jaxspeed.sharding.vma import varying_axes
 from jaxspeed.train.onebit_step import _local_rules
 
@@ -312,8 +313,8 @@ def _gather_layer(variables, *, gathers, dtype, switches):
     return {name: one(tree) for name, tree in variables.items()}
 
 
-def step_traffic(config, plan: Plan, *, reference_model: bool = True) -> zc.Traffic | None:
-    """`zero_collectives.plan_traffic` of the step `config` runs on `plan`'s mesh: bytes per
+def step_traffic(config, plan: Plan, *, reference_model: bool = True) -> zt.Traffic | None:
+    """`zero_traffic.plan_traffic` of the step `config` runs on `plan`'s mesh: bytes per
     device and step of each ZeRO-3 collective, intra- and cross-host (for the planner).
 
     Args:
@@ -334,7 +335,7 @@ def step_traffic(config, plan: Plan, *, reference_model: bool = True) -> zc.Traf
     from jaxspeed.sharding.leaves import flatten_leaf_plans
 
     count = sum(math.prod(leaf.shape) for _, leaf in flatten_leaf_plans(plan.leaves))
-    return zc.plan_traffic(
+    return zt.plan_traffic(
         plan, switches=switches_of(zero), compute_bytes=compute_dtype(config).itemsize,
         per_layer=reference_model and count > zero.max_live_parameters,
         recompute=config.activation_checkpointing.policy != "none",
