@@ -25,7 +25,8 @@ from jaxspeed.errors import ConfigError
 from jaxspeed.ops import quantize as qz
 from jaxspeed.sharding import zero_collectives as zc
 from jaxspeed.sharding import zero_traffic as zt
-from jaxspeed.train.zero_step import GLOO_BUCKET, runs_on_gloo, step_traffic, switches_of
+from jaxspeed.runtime.distributed import over_gloo
+from jaxspeed.train.zero_step import GLOO_BUCKET, step_traffic, switches_of
 from test_engine import GLOBAL_BATCH, LR, RHO, batches, reference_from, tiny_config
 from numerics import assert_adam_params_close
 
@@ -263,4 +264,4 @@ def test_max_reduce_scatter_elements_auto_cuts_only_over_gloo():
     fixed = zero.model_copy(update={"max_reduce_scatter_elements": 5000})
     assert switches_of(fixed).bucket == switches_of(fixed, gloo=True).bucket == 5000
     # one process's emulated devices: XLA's in-process collectives, not gloo
-    assert not runs_on_gloo(js.initialize(tiny_config(*HOSTS2)).mesh)
+    assert not over_gloo(js.initialize(tiny_config(*HOSTS2)).mesh.devices.flat)

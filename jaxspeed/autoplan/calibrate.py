@@ -27,6 +27,7 @@ from jaxspeed.autoplan.step_probe import probe_config, step_efficiency, step_pro
 from jaxspeed.autoplan.update_cost import COMPRESSED_PROBE, PLAIN_PROBE, update_probe
 from jaxspeed.config import Config
 from jaxspeed.errors import JaxspeedError
+from jaxspeed.runtime.distributed import over_gloo
 
 _AXIS = "devices"
 _TINY = "_tiny"  #: the suffix of a latency probe's name (`_interleaved_medians`)
@@ -191,7 +192,7 @@ def calibrate(
         inter_host=inter,
         host_link=host_link,
         host_memory=host_memory,
-        collectives=_algorithms(devices, hosts),
+        collectives="gloo" if over_gloo(devices) else "nccl",
     )
     if probed is None:
         return cluster
@@ -223,12 +224,6 @@ def _link(seconds: Mapping[str, float], axis: str, peers: int, floats: int) -> d
 def _overhead(burst_s: float, tiny_s: float) -> float:
     """Seconds a collective costs in a burst beyond the fastest lone one (at least 0)."""
     return max(0.0, burst_s / BURST - tiny_s)
-
-
-def _algorithms(devices: Sequence[jax.Device], hosts: int) -> str:
-    """Gloo carries XLA:CPU's collectives between processes; anything else is NCCL-like."""
-    cpu = devices[0].platform == "cpu"
-    return "gloo" if cpu and hosts > 1 else "nccl"
 
 
 def main(out: str | os.PathLike, *, model_source: str | None = None, **options: Any) -> Cluster:

@@ -64,6 +64,5 @@ def step_metrics(collections: Mapping[str, Any]) -> dict[str, jax.Array]:
     totals: dict[str, jax.Array] = {}
     for path, values in flat.items():
         for leaf in jax.tree.leaves(values):
-            total = jnp.sum(leaf.astype(jnp.float32))
-            totals[path[-1]] = totals[path[-1]] + total if path[-1] in totals else total
+            totals[path[-1]] = totals.get(path[-1], 0.0) + jnp.sum(leaf.astype(jnp.float32))
     return totals

@@ -115,3 +115,10 @@ def initialize(
             f"jax.distributed.initialize failed ({where}, timeout {initialization_timeout} s): "
             f"{first}"
         ) from err
+
+
+def over_gloo(devices) -> bool:
+    """Whether collectives among `devices` run over gloo: CPU devices of several processes
+    (XLA:CPU's collectives between processes; `initialize`'s `cpu_collectives`)."""
+    devices = list(devices)
+    return devices[0].platform == "cpu" and len({d.process_index for d in devices}) > 1

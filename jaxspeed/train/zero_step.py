@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
+from jaxspeed.runtime.distributed import over_gloo
 from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE, TENSOR
 from jaxspeed.sharding.leaves import LeafPlan
 from jaxspeed.sharding.planner import Plan
@@ -198,7 +199,7 @@ GLOO_BUCKET = 2**18
 
 def switches_of(zero, *, gloo: bool = False) -> zc.Switches:
     """The collectives' `Switches` from the `zero_optimization` section; `gloo`: whether the
-    collectives run over gloo (`runs_on_gloo`), which `max_reduce_scatter_elements: auto`
+    collectives run over gloo (`jaxspeed.runtime.distributed.over_gloo`), which `max_reduce_scatter_elements: auto`
     follows."""
     bucket = zero.max_reduce_scatter_elements
     return zc.Switches(
@@ -208,13 +209,6 @@ def switches_of(zero, *, gloo: bool = False) -> zc.Switches:
         block=zero.quantization_block_size,
         bucket=(GLOO_BUCKET if gloo else None) if bucket == "auto" else bucket,
     )
-
-
-def runs_on_gloo(mesh: Mesh) -> bool:
-    """Whether `mesh`'s collectives run over gloo: CPU devices of several processes."""
-    devices = mesh.devices.flat
-    return (devices[0].platform == "cpu"
-            and len({d.process_index for d in mesh.devices.flat}) > 1)
 
 
 def check_hpz(size: int, mesh: Mesh) -> None:
@@ -276,7 +270,7 @@ def explicit_zero(config, mesh: Mesh, plan: Plan, model, *, compute_dtype,
     if not runs_explicit(config, mesh):
         return None
     zero = config.zero_optimization
-    switches = switches_of(zero, gloo=runs_on_gloo(mesh))
+    switches = switches_of(zero, gloo=over_gloo(mesh.devices.flat))
     check_hpz(zero.zero_hpz_partition_size, mesh)
     gathers = _leaves(plan, lambda leaf: zc.leaf_gather(leaf.param))
     from jaxspeed.models.gpt import GPT
