@@ -82,6 +82,10 @@ CONFIGS: dict[str, Case] = {
     # the MoE GPT with its 4 experts' axis across both hosts: today's flat all-to-all against
     # the hierarchical one in chunks (issue 42)
     "moe_flat": Case(None, tuning=_MOE, config=_MOE_CONFIG),
+    # the same with the dense weights' ZeRO-3 on the sharding path (XLA:CPU: all-reduce +
+    # slice), as every MoE run with an expert axis trained before the explicit step took it
+    "moe_flat_compiler": Case("moe_flat", ("zero_optimization.collectives=compiler",), _MOE,
+                              config=_MOE_CONFIG),
     "moe_hier": Case("moe_flat", ("model.moe.all_to_all=hierarchical",
                                   "model.moe.a2a_chunks=auto"), _MOE, config=_MOE_CONFIG),
     # Tutel's strategies over the same stored experts (`jaxspeed.moe.strategies`); auto prices

@@ -211,6 +211,9 @@ def test_plan_traffic_is_what_the_zero3_step_moves(overrides, per_layer):
      r"collectives=explicit .* offload_param"),
     (["mesh.data=4", "mesh.tensor=2", Z + "stage=3", Z + "zero_quantized_gradients=true"],
      r"zero_quantized_gradients .* mesh.tensor=2"),
+    (["mesh.data=4", "mesh.hosts=2", "mesh.expert=2", Z + "stage=3",
+      Z + "zero_hpz_partition_size=2", "model.moe={num_experts: 2, every_n_layers: 2}"],
+     r"zero_hpz_partition_size=2 needs mesh.expert=1"),
 ])
 def test_unsupported_combinations_are_refused_in_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match) as info:
@@ -265,3 +268,19 @@ def test_max_reduce_scatter_elements_auto_cuts_only_over_gloo():
     assert switches_of(fixed).bucket == switches_of(fixed, gloo=True).bucket == 5000
     # one process's emulated devices: XLA's in-process collectives, not gloo
     assert not over_gloo(js.initialize(tiny_config(*HOSTS2)).mesh.devices.flat)
+
+
+def test_a_mesh_spans_hosts_with_a_host_axis_or_several_processes():
+    """`collectives: auto` goes explicit across hosts: the slow link's `mesh.expert=4,
+    mesh.data=1` has no `host` axis, its expert axis spans two processes."""
+    from types import SimpleNamespace as NS
+
+    from jaxspeed.train.zero_step import spans_hosts
+
+    def mesh(processes, host=1):
+        return NS(shape={"host": host, "data": 1, "expert": len(processes)},
+                  devices=np.array([NS(process_index=p) for p in processes]))
+
+    assert spans_hosts(mesh([0, 0, 1, 1]))
+    assert not spans_hosts(mesh([0, 0, 0, 0]))
+    assert spans_hosts(mesh([0, 0, 0, 0], host=2))

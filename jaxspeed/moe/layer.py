@@ -246,6 +246,13 @@ class MoE(nn.Module):
 
     def _param(self, name, names, shape, fan_in):
         init = nn.with_logical_partitioning(_normal(fan_in), names)
+        if names[:1] == ("expert",) and not self.is_initializing():
+            # Inside a step's map manual over the expert axis (the explicit ZeRO-3 step) the
+            # stored experts are this worker's `[E / ep, ...]`, where Flax expects all `E`.
+            own = nn.meta.unbox(self.get_variable("params", name))
+            if (own is not None and own.shape[1:] == shape[1:]
+                    and shape[0] % own.shape[0] == 0):
+                return own
         return self.param(name, init, shape, self.param_dtype)
 
     def _ffn_params(self, prefix, width, hidden, fan_hidden, *, expert: bool):

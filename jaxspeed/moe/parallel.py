@@ -16,6 +16,10 @@ the expert axis), GShard's two all-to-alls move the capacity buffers:
     expert FFN    on the local experts' weights [E / ep, M, H]
     all_to_all    back to [E, G_l * C, M], then combine per group.
 
+Inside a step already manual over the expert axis (the explicit ZeRO-3 step,
+`jaxspeed.train.zero_step`), the layer gets this worker's tokens and its own `[E / ep, ...]`
+experts, and runs the same per-device body there, over the step's manual axes of size > 1.
+
 Gradients of the weights replicated over manual axes (the router, and the experts over `data`)
 are summed over devices by `shard_map`'s transpose: where a replicated weight meets per-device
 tokens, JAX inserts `pcast(..., to="varying")`, whose transpose is a `psum`.
@@ -51,6 +55,7 @@ from jaxspeed.moe.balance import centered_load, report_load
 from jaxspeed.moe.expert_choice import expert_choice_gating
 from jaxspeed.moe.gating import Routing, gate_logits, top_k_gating
 from jaxspeed.moe.strategies import STRATEGIES, Links, choose
+from jaxspeed.sharding.vma import vary_alike
 
 #: `fold_in` stream of DeepSpeed's `Jitter` (gating.py uses streams 0-2 for the rest).
 _JITTER_STREAM = 3
@@ -124,17 +129,18 @@ class MoEOutput(NamedTuple):
     strategy: jax.Array
 
 
-def data_parallel_axes(expert_axis: str = "expert") -> dict[str, int]:
+def data_parallel_axes(expert_axis: str = "expert", *, manual: bool = False) -> dict[str, int]:
     """The data-parallel axes (`host`, `data`, `expert_axis`) of the current mesh, name -> size.
 
-    Axes that are already manual (inside an outer `shard_map`) are left out.
+    Axes that are already manual (inside an outer `shard_map`) are left out, or with `manual`
+    the only ones returned.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return {}
     types = dict(zip(mesh.axis_names, mesh.axis_types))
     return {a: mesh.shape[a] for a in (HOST, DATA, expert_axis)
-            if a in types and types[a] != AxisType.Manual}
+            if a in types and (types[a] == AxisType.Manual) == manual}
 
 
 def default_num_groups(expert_axis: str = "expert") -> int:
@@ -308,7 +314,7 @@ def _local_moe(x, gate_kernel, experts: ExpertParams, rng, bias=None, *, opts: G
         load = centered_load(routing.expert_counts)
         if sync_axes:
             load = load / jax.lax.psum(1, sync_axes)
-            bias = jax.lax.pcast(bias, sync_axes, to="varying")
+            bias = vary_alike(bias, load)[0]
         y = report_load(y, bias, load.astype(bias.dtype))
     return MoEOutput(y, routing.aux_loss, routing.z_loss, routing.expert_counts,
                      routing.dropped_fraction,
@@ -337,6 +343,15 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
     """
     tokens, width = x.shape
     dp = data_parallel_axes(expert_axis)
+    # Inside a step's map manual over the expert axis (the explicit ZeRO-3 step, a 1-bit
+    # step), `x` is this worker's tokens and the groups are gated here; `experts` are its own
+    # shard, exchanged with over the manual axes, or all of them (nothing to exchange).
+    outer = {a: n for a, n in data_parallel_axes(expert_axis, manual=True).items() if n > 1}
+    outer = outer if expert_axis in outer else {}
+    if outer and dp:
+        raise ConfigError(f"the MoE layer's mesh axes {dp} must all be manual, or none, "
+                          f"with {expert_axis!r} manual")
+    dp = outer or dp
     dp_size = math.prod(dp.values())
     groups = dp_size if num_groups is None else num_groups
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
@@ -345,11 +360,14 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
         raise ConfigError(
             f"num_groups={groups} must be a multiple of the data-parallel size {dp_size} "
             f"(mesh axes {dp}); use None for the default")
-    if tokens % groups:
+    here = groups // math.prod(outer.values())  # of the groups, those in `x`
+    if tokens % here:
         raise ConfigError(
-            f"the {tokens} tokens (batch * length) must split evenly into num_groups={groups} "
+            f"the {tokens} tokens (batch * length) must split evenly into num_groups={here} "
             f"groups")
     ep = dp.get(expert_axis, 1)
+    if outer and experts.w_in.shape[0] == opts.num_experts:
+        ep = 1
     if opts.num_experts % ep:
         raise ConfigError(
             f"num_experts={opts.num_experts} must be divisible by the size {ep} of the mesh "
@@ -365,7 +383,7 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
             f"a2a_hosts={opts.a2a_hosts} must divide the size {ep} of the mesh axis "
             f"{expert_axis!r} (the hierarchical all-to-all and the parallelism strategies split "
             f"it into hosts x devices)")
-    xg = x.reshape(groups, tokens // groups, width)
+    xg = x.reshape(here, tokens // here, width)
     if dp_size == 1:
         out = _local_moe(xg, gate_kernel, experts, rng, selection_bias, opts=opts,
                          group_offset=0, expert_axis=None, ep=1)
@@ -377,13 +395,15 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
     def body(xl, kernel, local_experts, key, bias):
         offset = jax.lax.axis_index(axes) * local_groups
         return _local_moe(xl, kernel, local_experts, key, bias, opts=opts, group_offset=offset,
-                          expert_axis=expert_axis, ep=ep, sync_axes=axes)
+                          expert_axis=expert_axis if ep > 1 else None, ep=ep, sync_axes=axes)
 
-    expert_spec = P(expert_axis) if expert_axis in dp else P()
-    key_spec = None if rng is None else P()
-    bias_spec = None if selection_bias is None else P()
-    out = jax.shard_map(
-        body, in_specs=(P(axes), P(), expert_spec, key_spec, bias_spec),
-        out_specs=MoEOutput(*(P(axes),) * len(MoEOutput._fields)),
-        axis_names=frozenset(axes))(xg, gate_kernel, experts, rng, selection_bias)
+    if not outer:
+        expert_spec = P(expert_axis) if expert_axis in dp else P()
+        key_spec = None if rng is None else P()
+        bias_spec = None if selection_bias is None else P()
+        body = jax.shard_map(
+            body, in_specs=(P(axes), P(), expert_spec, key_spec, bias_spec),
+            out_specs=MoEOutput(*(P(axes),) * len(MoEOutput._fields)),
+            axis_names=frozenset(axes))
+    out = body(xg, gate_kernel, experts, rng, selection_bias)
     return out._replace(y=out.y.reshape(tokens, width))

@@ -1,6 +1,7 @@
 """ZeRO-3 as explicit collectives, and ZeRO++'s qwZ, hpZ and qgZ on top.
 
-Inside a `shard_map` manual over the data-parallel ZeRO axes (`host`, `data`), a parameter
+Inside a `shard_map` manual over the data-parallel ZeRO axes (`host`, `data`, `expert`), a
+parameter
 stored ZeRO-sharded on dimension `dim` is gathered with `all_gather(tiled=True)`, and the
 gradient of the local loss w.r.t. the shard is the transpose: a reduce-scatter. Both are
 written here, as one `custom_vjp` per gather, so the program says what moves on every backend
@@ -32,10 +33,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.ops import quantize as qz
-from jaxspeed.runtime.mesh import DATA, HOST
+from jaxspeed.runtime.mesh import DATA, EXPERT, HOST
 
 #: The axes the explicit ZeRO-3 step is manual over (the batch's rows are split over them).
-MANUAL_AXES: tuple[str, ...] = (HOST, DATA)
+#: `expert` shards the dense weights as a ZeRO axis and the expert weights' expert dimension
+#: as a model-parallel one (never gathered: the MoE layer exchanges tokens over it).
+MANUAL_AXES: tuple[str, ...] = (HOST, DATA, EXPERT)
 
 
 class Switches(NamedTuple):
@@ -79,14 +82,28 @@ class LeafGather(NamedTuple):
         return self._replace(dim=self.dim - 1)
 
 
-def leaf_gather(spec, manual: tuple[str, ...] = MANUAL_AXES) -> LeafGather | None:
-    """The `LeafGather` of a stored leaf's `PartitionSpec` (None: not split over `manual`)."""
+def _named(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def leaf_gather(spec, gathered=(), manual: tuple[str, ...] = MANUAL_AXES) -> LeafGather | None:
+    """The `LeafGather` of a stored leaf's `PartitionSpec` (None: not split over `manual`).
+
+    `gathered` is the spec the step computes with (`LeafPlan.gathered`): its axes split the
+    leaf for the model (an expert weight's `expert` dimension), not for ZeRO, and stay.
+    """
     for dim, entry in enumerate(spec):
-        named = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        axes = tuple(a for a in named if a in manual)
+        kept = _named(gathered[dim]) if dim < len(gathered) else ()
+        axes = tuple(a for a in _named(entry) if a in manual and a not in kept)
         if axes:
             return LeafGather(dim, axes)
     return None
+
+
+def manual_spec(spec, manual: tuple[str, ...] = MANUAL_AXES):
+    """`spec` with only the `manual` axes: a stored leaf's `shard_map` spec."""
+    entries = [tuple(a for a in _named(e) if a in manual) for e in spec]
+    return jax.sharding.PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries))
 
 
 class _Gather(NamedTuple):  # static (hashable) arguments of `gather_stage`

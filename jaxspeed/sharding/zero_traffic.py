@@ -142,7 +142,7 @@ def plan_traffic(plan, *, switches: Switches = Switches(), compute_bytes: int = 
     leaves = {leaf.path: leaf for _, leaf in flatten_leaf_plans(plan.leaves)}
     return zero_traffic(
         {path: leaf.shape for path, leaf in leaves.items()},
-        {path: leaf_gather(leaf.param) for path, leaf in leaves.items()},
+        {path: leaf_gather(leaf.param, leaf.gathered) for path, leaf in leaves.items()},
         dict(plan.mesh.shape), switches=switches, compute_bytes=compute_bytes,
         layered={path: per_layer and (leaf.logical or ())[:1] == ("layers",)
                  for path, leaf in leaves.items()},

@@ -1,8 +1,10 @@
-"""ZeRO-3's loss and gradients with explicit collectives: a `shard_map` over `host` and `data`.
+"""ZeRO-3's loss and gradients with explicit collectives: a `shard_map` over the data-parallel
+axes `host`, `data` and `expert`.
 
-Inside the map each data-parallel worker holds its rows and its ZeRO shard of every param
-(every other mesh axis has size 1: see `_unsupported`). The loss is differentiated w.r.t. the
-shards; the gathers (`jaxspeed.sharding.zero_collectives`) run where the params are used, and
+Inside the map each data-parallel worker holds its rows, its ZeRO shard of every param and,
+with an expert axis, its experts (every other mesh axis has size 1: see `_unsupported`); the
+MoE layers exchange tokens with the experts' owners inside the map. The loss is differentiated
+w.r.t. the shards; the gathers (`jaxspeed.sharding.zero_collectives`) run where the params are used, and
 their transposes reduce-scatter the gradients, so each worker ends with the gradient of its
 own shard, summed over workers in fp32, and the update runs on shards as with the sharding
 path. Where the gathers run:
@@ -53,6 +55,7 @@ class ZeroStep:
     Attributes:
       mesh: the device mesh.
       rules: the logical rules inside the map (without `host` and `data`).
+      specs: a pytree like the params: each stored leaf's `shard_map` spec (its manual axes).
       gathers: a pytree like the params: each leaf's `LeafGather` (None: not ZeRO-sharded).
       layered: a pytree like the params: True where the model gathers the leaf layer by layer.
       switches: ZeRO++'s switches.
@@ -62,6 +65,7 @@ class ZeroStep:
 
     mesh: Mesh
     rules: Any
+    specs: Any
     gathers: Any
     layered: Any
     switches: zc.Switches
@@ -81,14 +85,19 @@ class ZeroStep:
         return zc.MANUAL_AXES
 
     @property
+    def split(self) -> tuple[str, ...]:
+        """The manual axes of size > 1: the rows and the gradients vary over these only (a
+        gradient summed over a size-1 axis is an all-reduce XLA:CPU does not drop)."""
+        return tuple(a for a in self.axes if self.mesh.shape[a] > 1)
+
+    @property
     def workers(self) -> int:
         return math.prod(self.mesh.shape.get(a, 1) for a in self.axes)
 
     def param_specs(self):
-        """shard_map specs of the stored params: the manual axes on the ZeRO dimension."""
-        def spec(leaf):
-            return P() if leaf is None else P(*(None,) * leaf.dim, leaf.axes)
-        return jax.tree.map(spec, self.gathers, is_leaf=_is_gather)
+        """shard_map specs of the stored params: the manual axes on the ZeRO dimension, and
+        `expert` on an expert weight's expert dimension."""
+        return self.specs
 
     def _step_gather(self, params):
         """The once-per-step gathers: whole leaves, or hpZ's secondary copy of layered ones."""
@@ -102,14 +111,14 @@ class ZeroStep:
         """Params varying over every manual axis: a leaf replicated over one of them (no ZeRO
         dimension divisible by it) has its gradient summed over it by the `pcast`'s transpose."""
         def one(x):
-            missing = tuple(a for a in self.axes if a not in varying_axes(x))
+            missing = tuple(a for a in self.split if a not in varying_axes(x))
             return jax.lax.pcast(x, missing, to="varying") if missing else x
         return jax.tree.map(one, params)
 
     def loss_and_grads(self, spec, params, batch, rng, scale):
         """Mean loss, mean extras and the fp32 gradients of the stored (sharded) `params`,
         over `spec.accumulation` microbatches of the global `batch`; the `train_step` part."""
-        rows = P(self.axes)
+        rows = P(self.split)
 
         def local(params, batch, rng, scale):
             with nn.logical_axis_rules(self.rules):
@@ -137,7 +146,7 @@ class ZeroStep:
                         body, total, (jnp.arange(1, spec.accumulation), rest))
             loss, extras, grads = total
             n = spec.accumulation
-            mean = lambda x: jax.lax.pmean(x / n, self.axes)  # noqa: E731
+            mean = lambda x: jax.lax.pmean(x / n, self.split)  # noqa: E731
             divisor = n * self.workers * scale
             grads = jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
             return mean(loss), jax.tree.map(mean, extras), grads
@@ -162,13 +171,13 @@ class ZeroStep:
                     return total + loss.astype(jnp.float32), None
 
                 total, _ = jax.lax.scan(
-                    body, jax.lax.pcast(jnp.zeros((), jnp.float32), self.axes, to="varying"),
+                    body, jax.lax.pcast(jnp.zeros((), jnp.float32), self.split, to="varying"),
                     micro)
-            return jax.lax.pmean(total / spec.accumulation, self.axes)
+            return jax.lax.pmean(total / spec.accumulation, self.split)
 
         return jax.shard_map(
             local, mesh=self.mesh,
-            in_specs=(self.param_specs(), jax.tree.map(lambda _: P(self.axes), batch), P()),
+            in_specs=(self.param_specs(), jax.tree.map(lambda _: P(self.split), batch), P()),
             out_specs=P(), axis_names=set(self.axes),
         )(params, batch, rng)
 
@@ -183,7 +192,7 @@ def _unsupported(config, mesh: Mesh) -> str | None:
     # `tensor` too: around collectives over the manual axes of a partially manual
     # `shard_map`, XLA replicates the operands over the automatic ones, so each gather and
     # reduce-scatter would first all-gather the weights / gradients over `tensor`.
-    for axis in (PIPE, SEQUENCE, EXPERT, TENSOR):
+    for axis in (PIPE, SEQUENCE, TENSOR):
         if mesh.shape.get(axis, 1) > 1:
             return f"mesh.{axis}={mesh.shape[axis]}"
     if zero.offload_param.device != "none":
@@ -212,7 +221,12 @@ def switches_of(zero, *, gloo: bool = False) -> zc.Switches:
 
 
 def check_hpz(size: int, mesh: Mesh) -> None:
-    """`zero_hpz_partition_size` is 1 (off) or the ZeRO group within a host (`data` per host)."""
+    """`zero_hpz_partition_size` is 1 (off) or the ZeRO group within a host (`data` per host),
+    without an expert axis (its secondary copy is split data-major; `expert` is more minor)."""
+    if size > 1 and mesh.shape.get(EXPERT, 1) > 1:
+        raise ConfigError(
+            f"zero_optimization.zero_hpz_partition_size={size} needs mesh.expert=1 (got "
+            f"{mesh.shape[EXPERT]}): hpZ's group is mesh.data within a host")
     intra = mesh.shape.get(DATA, 1)
     if size not in (1, intra):
         raise ConfigError(
@@ -238,12 +252,13 @@ def gathered_once(config, mesh: Mesh, plan: Plan, param_count: int):
 def runs_explicit(config, mesh: Mesh) -> bool:
     """Whether stage 3 runs with explicit collectives on `mesh`.
 
-    `collectives: auto` runs them where the mesh spans hosts (`host` > 1) or a ZeRO++ switch is
-    on, and keeps the sharding path inside one host, where it measured faster on CPU (13-27% on
+    `collectives: auto` runs them where the mesh spans hosts (`spans_hosts`) or a ZeRO++
+    switch is on, and keeps the sharding path inside one host, where it measured faster on CPU (13-27% on
     `throughput.py`'s fsdp8) and lighter layer by layer (441 against 825 MiB of step peak on
     `zero_memory.py`'s 100M model; benchmarks/README). `explicit` and the ZeRO++ switches
-    refuse (one `ConfigError`) where they cannot run: a pipeline, a sequence, expert or tensor
-    axis, offload.
+    refuse (one `ConfigError`) where they cannot run: a pipeline, a sequence or tensor axis,
+    offload. With an `expert` axis the MoE layers exchange tokens inside the step's map
+    (`jaxspeed.moe.parallel.moe_ffn`).
     """
     zero = config.zero_optimization
     if zero.stage != 3 or zero.collectives == "compiler":
@@ -261,7 +276,15 @@ def runs_explicit(config, mesh: Mesh) -> bool:
                 f"is not available with {why}; turn it off (collectives: auto uses the "
                 f"sharding path there)")
         return False
-    return bool(wanted) or mesh.shape.get(HOST, 1) > 1
+    return bool(wanted) or spans_hosts(mesh)
+
+
+def spans_hosts(mesh: Mesh) -> bool:
+    """Whether `mesh` crosses hosts: a `host` axis, or devices of several processes (an expert
+    axis across them, as on the slow link's `mesh.expert=4, mesh.data=1`)."""
+    devices = getattr(mesh, "devices", None)
+    processes = set() if devices is None else {d.process_index for d in devices.flat}
+    return mesh.shape.get(HOST, 1) > 1 or len(processes) > 1
 
 
 def explicit_zero(config, mesh: Mesh, plan: Plan, model, *, compute_dtype,
@@ -272,14 +295,16 @@ def explicit_zero(config, mesh: Mesh, plan: Plan, model, *, compute_dtype,
     zero = config.zero_optimization
     switches = switches_of(zero, gloo=over_gloo(mesh.devices.flat))
     check_hpz(zero.zero_hpz_partition_size, mesh)
-    gathers = _leaves(plan, lambda leaf: zc.leaf_gather(leaf.param))
+    gathers = _leaves(plan, lambda leaf: zc.leaf_gather(leaf.param, leaf.gathered))
     from jaxspeed.models.gpt import GPT
 
     per_layer = (isinstance(model, GPT) and model.stream_layers is None
                  and param_count > zero.max_live_parameters)
     layered = _leaves(plan, lambda leaf: per_layer and (leaf.logical or ())[:1] == ("layers",))
-    step = ZeroStep(mesh=mesh, rules=_local_rules(plan.rules, zc.MANUAL_AXES), gathers=gathers,
-                    layered=layered, switches=switches, compute_dtype=compute_dtype)
+    step = ZeroStep(mesh=mesh, rules=_local_rules(plan.rules, zc.MANUAL_AXES),
+                    specs=_leaves(plan, lambda leaf: zc.manual_spec(leaf.param)),
+                    gathers=gathers, layered=layered, switches=switches,
+                    compute_dtype=compute_dtype)
     if not per_layer:
         return step
     layer_gathers = {
