@@ -243,6 +243,7 @@ def test_balance_values_are_checked():
 from jaxspeed.cost.hlo import collectives  # noqa: E402
 from jaxspeed.moe.all_to_all import hierarchical_all_to_all, spanned_hosts  # noqa: E402
 from jaxspeed.moe.all_to_all import MAX_AUTO_CHUNKS, MIN_CHUNK_BYTES, a2a_chunk_count  # noqa: E402
+from jaxspeed.moe.all_to_all import collectives_overlap  # noqa: E402
 
 
 @pytest.mark.parametrize("hosts", [2, 4])
@@ -281,8 +282,20 @@ def test_a2a_chunk_count():
     assert a2a_chunk_count("auto", 12, row, ep=4) == 3  # 4 rows each, dividing 12
     assert a2a_chunk_count("auto", 6, row, ep=4) == 1  # too small to cut
     assert a2a_chunk_count(2, 6, row, ep=4) == 2
+    assert a2a_chunk_count("auto", 64, row, ep=4, overlap=False) == 1  # CPU: nothing overlaps
+    assert a2a_chunk_count(2, 64, row, ep=4, overlap=False) == 2  # asked for
     with pytest.raises(ConfigError, match="a2a_chunks=4 must divide the capacity buffer's 6 slots"):
         a2a_chunk_count(4, 6, row, ep=4)
+
+
+def test_collectives_overlap_except_on_cpu_devices():
+    from types import SimpleNamespace as NS
+
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
+    assert not collectives_overlap(mesh.abstract_mesh)
+    with jax.set_mesh(mesh):
+        assert not collectives_overlap()
+    assert collectives_overlap(NS(abstract_device=NS(platform="cuda")))
 
 
 EP = dict(num_experts=E, d_ff=H, k=2, capacity_factor=1.0, min_capacity=1, gate_noise=1.0,

@@ -167,16 +167,26 @@ def gather_across_hosts(x, axis: str, *, hosts: int):
     return got.reshape(hosts * x.shape[0], *x.shape[1:])
 
 
-def a2a_chunk_count(chunks: int | str, slots: int, row_bytes: int, ep: int) -> int:
+def collectives_overlap(mesh=None) -> bool:
+    """Whether the devices of `mesh` (default: the current one) can run a collective beside
+    their compute: not CPU devices, where XLA runs each collective in line with the rest of
+    the device's program (in one process or over gloo)."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    device = getattr(mesh, "abstract_device", None)
+    return device is None or device.platform != "cpu"
+
+
+def a2a_chunk_count(chunks: int | str, slots: int, row_bytes: int, ep: int, *,
+                    overlap: bool = True) -> int:
     """The chunks the capacity buffer `[E, slots, M]` goes out in (`slots = G_l * C`).
 
-    `"auto"`: 1 without expert parallelism, else the most chunks, up to `MAX_AUTO_CHUNKS`,
-    that divide `slots` and leave each chunk's all-to-all at least `MIN_CHUNK_BYTES` (`row_bytes`
-    = `E * M * itemsize` per slot): below that a message pays more in latency than its overlap
-    hides. An int must divide `slots`.
+    `"auto"`: 1 without expert parallelism or without `overlap` (`collectives_overlap`), else
+    the most chunks, up to `MAX_AUTO_CHUNKS`, that divide `slots` and leave each chunk's
+    all-to-all at least `MIN_CHUNK_BYTES` (`row_bytes` = `E * M * itemsize` per slot): below
+    that a message pays more in latency than its overlap hides. An int must divide `slots`.
     """
     if chunks == "auto":
-        if ep == 1:
+        if ep == 1 or not overlap:
             return 1
         fits = [n for n in range(1, MAX_AUTO_CHUNKS + 1)
                 if slots % n == 0 and slots // n * row_bytes >= MIN_CHUNK_BYTES]

@@ -180,7 +180,7 @@ class MoE(nn.Module):
       a2a_chunks: under expert parallelism, the capacity buffer goes to the experts in this
         many chunks, each its own all-to-all, FFN and all-to-all back, so chunk i+1's exchange
         can overlap chunk i's FFN where collectives run asynchronously (XLA:GPU); the same
-        result as 1. "auto": up to 4 chunks of at least 256 KiB each
+        result as 1. "auto": up to 4 chunks of at least 256 KiB each, 1 on CPU devices
         (`jaxspeed.moe.all_to_all.a2a_chunk_count`).
       all_to_all: "flat" or "hierarchical" (Tutel's 2D all-to-all,
         `jaxspeed.moe.all_to_all`): inside each host first, then across hosts with one

@@ -48,7 +48,7 @@ from jaxspeed.moe.experts import (
     switch_on_capacity,
 )
 from jaxspeed.moe.all_to_all import (
-    a2a_chunk_count, gather_across_hosts, hierarchical_all_to_all, spanned_hosts,
+    a2a_chunk_count, collectives_overlap, gather_across_hosts, hierarchical_all_to_all, spanned_hosts,
     within_host_all_to_all,
 )
 from jaxspeed.moe.balance import centered_load, report_load
@@ -221,7 +221,8 @@ def _exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: s
         exchange = functools.partial(hierarchical_all_to_all, axis=expert_axis,
                                      hosts=hosts if hierarchical else 1)
     row_bytes = buf.shape[0] * buf.shape[2] * buf.dtype.itemsize
-    chunks = a2a_chunk_count(opts.a2a_chunks, buf.shape[1], row_bytes, ep)
+    chunks = a2a_chunk_count(opts.a2a_chunks, buf.shape[1], row_bytes, ep,
+                             overlap=collectives_overlap())
 
     def one(part):
         part = exchange(part, split_axis=0, concat_axis=1)
