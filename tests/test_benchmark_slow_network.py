@@ -66,8 +66,8 @@ def test_moe_auto_prices_on_the_calibrated_cluster_once_there_is_one():
     assert "model.moe.cluster=null" in slow_network.overrides("moe_auto", args)
     args.cluster = "/runs/cluster.rank0.yaml"
     assert "model.moe.cluster=/runs/cluster.rank0.yaml" in slow_network.overrides("moe_auto", args)
-    assert {slow_network.CONFIGS[n].baseline for n in ("moe_data", "moe_expert_data")} == {
-        "moe_flat"}
+    assert {slow_network.CONFIGS[n].baseline
+            for n in ("moe_data", "moe_expert_data", "moe_flat_compiler")} == {"moe_flat"}
     assert slow_network.refusal("moe_auto", args) == (None, False)
 
 

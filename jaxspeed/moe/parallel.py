@@ -40,21 +40,13 @@ from jax.sharding import PartitionSpec as P
 from jaxspeed.errors import ConfigError
 from jaxspeed.runtime.mesh import DATA, HOST
 from jaxspeed.moe.dispatch import combine, dispatch
-from jaxspeed.moe.experts import (
-    ExpertParams,
-    capacity_buckets,
-    dropless_ffn,
-    expert_ffn,
-    switch_on_capacity,
-)
-from jaxspeed.moe.all_to_all import (
-    a2a_chunk_count, collectives_overlap, gather_across_hosts, hierarchical_all_to_all, spanned_hosts,
-    within_host_all_to_all,
-)
+from jaxspeed.moe.experts import ExpertParams, capacity_buckets, dropless_ffn, switch_on_capacity
+from jaxspeed.moe.all_to_all import spanned_hosts
 from jaxspeed.moe.balance import centered_load, report_load
+from jaxspeed.moe.exchange import exchange
 from jaxspeed.moe.expert_choice import expert_choice_gating
 from jaxspeed.moe.gating import Routing, gate_logits, top_k_gating
-from jaxspeed.moe.strategies import STRATEGIES, Links, choose
+from jaxspeed.moe.strategies import STRATEGIES, Links
 from jaxspeed.sharding.vma import vary_alike
 
 #: `fold_in` stream of DeepSpeed's `Jitter` (gating.py uses streams 0-2 for the rest).
@@ -185,64 +177,6 @@ def _flat_routing(routing: Routing, num_experts: int) -> Routing:
         weight=routing.weight.reshape(groups * tokens, k))
 
 
-def _exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: str | None,
-              ep: int):
-    """The experts' FFN on the dispatched buffer `[E, S, M]`, by `opts.parallelism`
-    (`jaxspeed.moe.strategies`): on the experts' owners (`expert`), here with every expert
-    gathered (`data`), or on the owners inside the host with the other hosts' experts gathered
-    (`expert_data`); `auto` picks one of them for this buffer's size. Returns the FFN's
-    output and the strategy that ran (None without an expert axis).
-
-    `expert`'s exchange is flat or, with `opts.all_to_all="hierarchical"`, inside each of the
-    `opts.a2a_hosts` hosts first and then across them (`hierarchical_all_to_all`).
-    With `opts.a2a_chunks` > 1 the `S` slots go out in that many chunks, each its own
-    all-to-all, FFN and all-to-all back: chunk i+1's exchange has no dependence on chunk i's
-    FFN, so a scheduler that runs collectives asynchronously (XLA:GPU's) overlaps them. The FFN
-    is row by row, so the result is the unchunked one.
-    """
-    if ep == 1:
-        return expert_ffn(buf, experts, activation=opts.activation), None
-    hosts, hierarchical = opts.a2a_hosts or 1, opts.all_to_all == "hierarchical"
-    strategy = choose(
-        opts.parallelism, buffer_bytes=buf.size * buf.dtype.itemsize,
-        weight_bytes=sum(w.size * w.dtype.itemsize for w in experts if w is not None),
-        ep=ep, hosts=hosts, hierarchical=hierarchical, cluster=opts.cluster)
-    gather = {"data": lambda w: jax.lax.all_gather(w, expert_axis, axis=0, tiled=True),
-              "expert_data": lambda w: gather_across_hosts(w, expert_axis, hosts=hosts)}
-    if strategy in gather:
-        experts = ExpertParams(*(None if w is None else gather[strategy](w) for w in experts))
-    if strategy == "data":
-        return expert_ffn(buf, experts, activation=opts.activation), strategy
-    if strategy == "expert_data":  # device l of each host owns the experts of shards h*L + l
-        per_host = ep // hosts
-        buf = _swap_expert_blocks(buf, hosts, per_host)
-        exchange = functools.partial(within_host_all_to_all, axis=expert_axis, hosts=hosts)
-    else:
-        exchange = functools.partial(hierarchical_all_to_all, axis=expert_axis,
-                                     hosts=hosts if hierarchical else 1)
-    row_bytes = buf.shape[0] * buf.shape[2] * buf.dtype.itemsize
-    chunks = a2a_chunk_count(opts.a2a_chunks, buf.shape[1], row_bytes, ep,
-                             overlap=collectives_overlap())
-
-    def one(part):
-        part = exchange(part, split_axis=0, concat_axis=1)
-        return exchange(expert_ffn(part, experts, activation=opts.activation),
-                        split_axis=1, concat_axis=0)
-
-    out = one(buf) if chunks == 1 else jnp.concatenate(
-        [one(part) for part in jnp.split(buf, chunks, axis=1)], axis=1)
-    if strategy == "expert_data":
-        out = _swap_expert_blocks(out, per_host, hosts)
-    return out, strategy
-
-
-def _swap_expert_blocks(buf, outer: int, inner: int):
-    """`buf [E, ...]` with its experts as `[outer, inner, E / (outer * inner)]` blocks,
-    reordered to `[inner, outer, ...]`: host-major shards to local-index-major and back."""
-    blocks = buf.reshape(outer, inner, -1, *buf.shape[1:])
-    return blocks.swapaxes(0, 1).reshape(buf.shape)
-
-
 def _experts_via_buffers(x, routing: Routing, experts: ExpertParams, *, opts: GatingOptions,
                          expert_axis: str | None, ep: int):
     """Dispatch to `[E, G_l*C, M]`, all-to-all to the experts' owners, FFN, back, combine;
@@ -255,7 +189,7 @@ def _experts_via_buffers(x, routing: Routing, experts: ExpertParams, *, opts: Ga
                    impl=opts.impl)  # [G_l*E, C, M]
     buf = buf.reshape(groups, num_experts, capacity, width).transpose(1, 0, 2, 3)
     buf = buf.reshape(num_experts, groups * capacity, width)
-    out, strategy = _exchange(buf, experts, opts=opts, expert_axis=expert_axis, ep=ep)
+    out, strategy = exchange(buf, experts, opts=opts, expert_axis=expert_axis, ep=ep)
     out = out.reshape(num_experts, groups, capacity, width).transpose(1, 0, 2, 3)
     y = combine(out.reshape(groups * num_experts, capacity, width), flat, impl=opts.impl)
     return y, ran(strategy)

@@ -4,10 +4,10 @@ axes `host`, `data` and `expert`.
 Inside the map each data-parallel worker holds its rows, its ZeRO shard of every param and,
 with an expert axis, its experts (every other mesh axis has size 1: see `_unsupported`); the
 MoE layers exchange tokens with the experts' owners inside the map. The loss is differentiated
-w.r.t. the shards; the gathers (`jaxspeed.sharding.zero_collectives`) run where the params are used, and
-their transposes reduce-scatter the gradients, so each worker ends with the gradient of its
-own shard, summed over workers in fp32, and the update runs on shards as with the sharding
-path. Where the gathers run:
+w.r.t. the shards; the gathers (`jaxspeed.sharding.zero_collectives`) run where the params are
+used, and their transposes reduce-scatter the gradients, so each worker ends with the gradient
+of its own shard, summed over workers in fp32, and the update runs on shards as with the
+sharding path. Where the gathers run:
 
 - the reference GPT's scanned layers: one layer at a time, inside the scan
   (`GPT.gather_layers`), again in the backward pass (the gathered params are never saved);
@@ -54,7 +54,7 @@ class ZeroStep:
 
     Attributes:
       mesh: the device mesh.
-      rules: the logical rules inside the map (without `host` and `data`).
+      rules: the logical rules inside the map (without its manual axes).
       specs: a pytree like the params: each stored leaf's `shard_map` spec (its manual axes).
       gathers: a pytree like the params: each leaf's `LeafGather` (None: not ZeRO-sharded).
       layered: a pytree like the params: True where the model gathers the leaf layer by layer.
@@ -208,8 +208,8 @@ GLOO_BUCKET = 2**18
 
 def switches_of(zero, *, gloo: bool = False) -> zc.Switches:
     """The collectives' `Switches` from the `zero_optimization` section; `gloo`: whether the
-    collectives run over gloo (`jaxspeed.runtime.distributed.over_gloo`), which `max_reduce_scatter_elements: auto`
-    follows."""
+    collectives run over gloo (`jaxspeed.runtime.distributed.over_gloo`), which
+    `max_reduce_scatter_elements: auto` follows."""
     bucket = zero.max_reduce_scatter_elements
     return zc.Switches(
         quantized_weights=zero.zero_quantized_weights,
@@ -253,11 +253,11 @@ def runs_explicit(config, mesh: Mesh) -> bool:
     """Whether stage 3 runs with explicit collectives on `mesh`.
 
     `collectives: auto` runs them where the mesh spans hosts (`spans_hosts`) or a ZeRO++
-    switch is on, and keeps the sharding path inside one host, where it measured faster on CPU (13-27% on
-    `throughput.py`'s fsdp8) and lighter layer by layer (441 against 825 MiB of step peak on
-    `zero_memory.py`'s 100M model; benchmarks/README). `explicit` and the ZeRO++ switches
-    refuse (one `ConfigError`) where they cannot run: a pipeline, a sequence or tensor axis,
-    offload. With an `expert` axis the MoE layers exchange tokens inside the step's map
+    switch is on, and keeps the sharding path inside one host, where it measured faster on CPU
+    (13-27% on `throughput.py`'s fsdp8) and lighter layer by layer (441 against 825 MiB of step
+    peak on `zero_memory.py`'s 100M model; benchmarks/README). `explicit` and the ZeRO++
+    switches refuse (one `ConfigError`) where they cannot run: a pipeline, a sequence or tensor
+    axis, offload. With an `expert` axis the MoE layers exchange tokens inside the step's map
     (`jaxspeed.moe.parallel.moe_ffn`).
     """
     zero = config.zero_optimization
