@@ -298,8 +298,8 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
     here = groups // math.prod(outer.values())  # of the groups, those in `x`
     if tokens % here:
         raise ConfigError(
-            f"the {tokens} tokens (batch * length) must split evenly into num_groups={here} "
-            f"groups")
+            f"the {tokens} tokens (batch * length) must split evenly into the {here} groups "
+            f"they hold (num_groups={groups})")
     ep = dp.get(expert_axis, 1)
     if outer and experts.w_in.shape[0] == opts.num_experts:
         ep = 1

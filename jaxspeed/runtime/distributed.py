@@ -117,8 +117,13 @@ def initialize(
         ) from err
 
 
+def process_count(devices) -> int:
+    """The processes `devices` belong to."""
+    return len({d.process_index for d in devices})
+
+
 def over_gloo(devices) -> bool:
     """Whether collectives among `devices` run over gloo: CPU devices of several processes
     (XLA:CPU's collectives between processes; `initialize`'s `cpu_collectives`)."""
     devices = list(devices)
-    return devices[0].platform == "cpu" and len({d.process_index for d in devices}) > 1
+    return devices[0].platform == "cpu" and process_count(devices) > 1

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.runtime.distributed import over_gloo
+from jaxspeed.runtime.distributed import over_gloo, process_count
 from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE, TENSOR
 from jaxspeed.sharding.leaves import LeafPlan
 from jaxspeed.sharding.planner import Plan
@@ -55,7 +55,8 @@ class ZeroStep:
     Attributes:
       mesh: the device mesh.
       rules: the logical rules inside the map (without its manual axes).
-      specs: a pytree like the params: each stored leaf's `shard_map` spec (its manual axes).
+      specs: a pytree like the params: each stored leaf's `shard_map` spec (its manual axes:
+        on the ZeRO dimension, and `expert` on an expert weight's expert dimension).
       gathers: a pytree like the params: each leaf's `LeafGather` (None: not ZeRO-sharded).
       layered: a pytree like the params: True where the model gathers the leaf layer by layer.
       switches: ZeRO++'s switches.
@@ -93,11 +94,6 @@ class ZeroStep:
     @property
     def workers(self) -> int:
         return math.prod(self.mesh.shape.get(a, 1) for a in self.axes)
-
-    def param_specs(self):
-        """shard_map specs of the stored params: the manual axes on the ZeRO dimension, and
-        `expert` on an expert weight's expert dimension."""
-        return self.specs
 
     def _step_gather(self, params):
         """The once-per-step gathers: whole leaves, or hpZ's secondary copy of layered ones."""
@@ -151,7 +147,7 @@ class ZeroStep:
             grads = jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
             return mean(loss), jax.tree.map(mean, extras), grads
 
-        specs = self.param_specs()
+        specs = self.specs
         return jax.shard_map(
             local, mesh=self.mesh,
             in_specs=(specs, jax.tree.map(lambda _: rows, batch), P(), P()),
@@ -177,7 +173,7 @@ class ZeroStep:
 
         return jax.shard_map(
             local, mesh=self.mesh,
-            in_specs=(self.param_specs(), jax.tree.map(lambda _: P(self.split), batch), P()),
+            in_specs=(self.specs, jax.tree.map(lambda _: P(self.split), batch), P()),
             out_specs=P(), axis_names=set(self.axes),
         )(params, batch, rng)
 
@@ -282,9 +278,7 @@ def runs_explicit(config, mesh: Mesh) -> bool:
 def spans_hosts(mesh: Mesh) -> bool:
     """Whether `mesh` crosses hosts: a `host` axis, or devices of several processes (an expert
     axis across them, as on the slow link's `mesh.expert=4, mesh.data=1`)."""
-    devices = getattr(mesh, "devices", None)
-    processes = set() if devices is None else {d.process_index for d in devices.flat}
-    return mesh.shape.get(HOST, 1) > 1 or len(processes) > 1
+    return mesh.shape.get(HOST, 1) > 1 or process_count(mesh.devices.flat) > 1
 
 
 def explicit_zero(config, mesh: Mesh, plan: Plan, model, *, compute_dtype,
