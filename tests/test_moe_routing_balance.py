@@ -241,7 +241,8 @@ def test_balance_values_are_checked():
 # -- the all-to-all: chunked, hierarchical ------------------------------------------------------
 
 from jaxspeed.cost.hlo import collectives  # noqa: E402
-from jaxspeed.moe.all_to_all import hierarchical_all_to_all, spanned_hosts  # noqa: E402
+from jaxspeed.moe.all_to_all import hierarchical_all_to_all  # noqa: E402
+from jaxspeed.sharding.two_level import spanned_hosts  # noqa: E402
 from jaxspeed.moe.all_to_all import MAX_AUTO_CHUNKS, MIN_CHUNK_BYTES, a2a_chunk_count  # noqa: E402
 from jaxspeed.moe.all_to_all import collectives_overlap  # noqa: E402
 

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 from jaxspeed.autoplan.cluster import Cluster, load_cluster, save_cluster
 from jaxspeed.cost.hlo import collectives
 from jaxspeed.errors import ConfigError
-from jaxspeed.moe.all_to_all import gather_across_hosts, within_host_all_to_all
+from jaxspeed.moe.all_to_all import within_host_all_to_all
+from jaxspeed.sharding.two_level import gather_across_hosts
 from jaxspeed.moe.layer import MoE
 from jaxspeed.moe.strategies import STRATEGIES, choose, links_of, strategy_seconds
 from jaxspeed.runtime.mesh import make_mesh

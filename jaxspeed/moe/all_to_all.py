@@ -21,51 +21,14 @@ the reverse `ppermute`, so gradients are the same two stages backwards).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from jaxspeed.errors import ConfigError
+from jaxspeed.sharding.two_level import host_shift, local_shift, shift
 
 #: `MoE.all_to_all` values.
 ALGORITHMS = ("flat", "hierarchical")
-
-
-def spanned_hosts(mesh, axis: str, processes: int | None = None) -> int:
-    """The processes the devices along `axis` belong to, for a mesh over all devices laid out
-    host-major, as `jaxspeed.runtime.mesh.make_mesh` lays them out (each process's devices one
-    contiguous block of the flattened mesh). Works on an abstract mesh, inside `jit`.
-
-    Args:
-      mesh: a `Mesh` or `AbstractMesh`.
-      processes: the processes the mesh's devices are split over (default
-        `jax.process_count()`).
-    """
-    if mesh.empty or axis not in mesh.axis_names:
-        return 1
-    processes = jax.process_count() if processes is None else processes
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    names = list(mesh.axis_names)
-    stride = math.prod(sizes[a] for a in names[names.index(axis) + 1:])
-    per_process = max(1, mesh.size // processes)
-    return len({i * stride // per_process for i in range(sizes[axis])})
-
-
-def _local_shift(hosts: int, per_host: int, d: int) -> list[tuple[int, int]]:
-    """`ppermute` pairs sending each device to local index `(l + d) % per_host` on its host."""
-    return [(g * per_host + i, g * per_host + (i + d) % per_host)
-            for g in range(hosts) for i in range(per_host)]
-
-
-def _host_shift(hosts: int, per_host: int, e: int) -> list[tuple[int, int]]:
-    """`ppermute` pairs sending each device to its local index on host `(h + e) % hosts`."""
-    return [(g * per_host + i, ((g + e) % hosts) * per_host + i)
-            for g in range(hosts) for i in range(per_host)]
-
-
-def _shift(x, axis: str, pairs: list[tuple[int, int]]):
-    return x if all(a == b for a, b in pairs) else jax.lax.ppermute(x, axis, pairs)
 
 
 def hierarchical_all_to_all(x, axis: str, split_axis: int, concat_axis: int, *, hosts: int):
@@ -94,16 +57,16 @@ def hierarchical_all_to_all(x, axis: str, split_axis: int, concat_axis: int, *, 
     # arrives comes from local (l - d) % L. held[j]: from local source j, [H_dest, chunk...].
     arrived = []
     for d in range(per_host):
-        pairs = _local_shift(hosts, per_host, d)
-        arrived.append(_shift(jnp.take(dest, (l + d) % per_host, axis=1), axis, pairs))
+        pairs = local_shift(hosts, per_host, d)
+        arrived.append(shift(jnp.take(dest, (l + d) % per_host, axis=1), axis, pairs))
     held = jnp.take(jnp.stack(arrived), (l - jnp.arange(per_host)) % per_host, axis=0)
 
     # Stage 2: at host shift e, send host (h + e) % H every local source's chunk for it; what
     # arrives comes from host (h - e) % H. got[j]: from host j, [L_src, chunk...].
     arrived = []
     for e in range(hosts):
-        pairs = _host_shift(hosts, per_host, e)
-        arrived.append(_shift(jnp.take(held, (h + e) % hosts, axis=1), axis, pairs))
+        pairs = host_shift(hosts, per_host, e)
+        arrived.append(shift(jnp.take(held, (h + e) % hosts, axis=1), axis, pairs))
     got = jnp.take(jnp.stack(arrived), (h - jnp.arange(hosts)) % hosts, axis=0)
     got = got.reshape(n, *chunk_shape)  # source s = h_s * L + l_s, in order
     return _concatenate_sources(got, split_axis, concat_axis)
@@ -139,32 +102,10 @@ def within_host_all_to_all(x, axis: str, split_axis: int, concat_axis: int, *, h
     chunks = chunks.reshape(per_host, chunks.shape[0] // per_host, *chunks.shape[1:])
     arrived = []  # at shift d: to local (l + d) % L, from local (l - d) % L
     for d in range(per_host):
-        pairs = _local_shift(hosts, per_host, d)
-        arrived.append(_shift(jnp.take(chunks, (local + d) % per_host, axis=0), axis, pairs))
+        pairs = local_shift(hosts, per_host, d)
+        arrived.append(shift(jnp.take(chunks, (local + d) % per_host, axis=0), axis, pairs))
     got = jnp.take(jnp.stack(arrived), (local - jnp.arange(per_host)) % per_host, axis=0)
     return _concatenate_sources(got, split_axis, concat_axis)
-
-
-def gather_across_hosts(x, axis: str, *, hosts: int):
-    """`x [k, ...]` of the devices with this device's local index on every host, in host
-    order: `[hosts * k, ...]` (an all-gather over the host part of `axis`; its gradient sends
-    each host's share back and sums it, a reduce-scatter).
-
-    Args:
-      x: this device's array.
-      axis: a manual mesh axis of `hosts * per_host` devices, host-major.
-      hosts: the hosts the axis spans (dividing its size).
-    """
-    if hosts == 1:
-        return x
-    per_host = jax.lax.axis_size(axis) // hosts
-    host = jax.lax.axis_index(axis) // per_host
-    arrived = []  # at shift e: from host (h - e) % H
-    for e in range(hosts):
-        pairs = _host_shift(hosts, per_host, e)
-        arrived.append(_shift(x, axis, pairs))
-    got = jnp.take(jnp.stack(arrived), (host - jnp.arange(hosts)) % hosts, axis=0)
-    return got.reshape(hosts * x.shape[0], *x.shape[1:])
 
 
 def collectives_overlap(mesh=None) -> bool:

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.moe.all_to_all import (
-    a2a_chunk_count, collectives_overlap, gather_across_hosts, hierarchical_all_to_all,
-    within_host_all_to_all,
+    a2a_chunk_count, collectives_overlap, hierarchical_all_to_all, within_host_all_to_all,
 )
 from jaxspeed.moe.experts import ExpertParams, expert_ffn
 from jaxspeed.moe.strategies import choose
+from jaxspeed.sharding.two_level import gather_across_hosts
 
 if TYPE_CHECKING:
     from jaxspeed.moe.parallel import GatingOptions

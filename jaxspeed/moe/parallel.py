@@ -41,12 +41,12 @@ from jaxspeed.errors import ConfigError
 from jaxspeed.runtime.mesh import DATA, HOST
 from jaxspeed.moe.dispatch import combine, dispatch
 from jaxspeed.moe.experts import ExpertParams, capacity_buckets, dropless_ffn, switch_on_capacity
-from jaxspeed.moe.all_to_all import spanned_hosts
 from jaxspeed.moe.balance import centered_load, report_load
 from jaxspeed.moe.exchange import exchange
 from jaxspeed.moe.expert_choice import expert_choice_gating
 from jaxspeed.moe.gating import Routing, gate_logits, top_k_gating
 from jaxspeed.moe.strategies import STRATEGIES, Links
+from jaxspeed.sharding.two_level import spanned_hosts
 from jaxspeed.sharding.vma import vary_alike
 
 #: `fold_in` stream of DeepSpeed's `Jitter` (gating.py uses streams 0-2 for the rest).

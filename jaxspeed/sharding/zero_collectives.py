@@ -26,6 +26,8 @@ cross-host bytes.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 
 from jaxspeed.ops import quantize as qz
 from jaxspeed.runtime.mesh import DATA, EXPERT, HOST
+from jaxspeed.sharding import two_level
 
 #: The axes the explicit ZeRO-3 step is manual over (the batch's rows are split over them).
 #: `expert` shards the dense weights as a ZeRO axis and the expert weights' expert dimension
@@ -52,7 +55,11 @@ class Switches(NamedTuple):
       block: elements per quantization scale.
       bucket: the most elements one full-precision reduce-scatter moves (each device's
         unscattered input); a larger gradient is reduced in pieces of at most this many
-        (`reduce_scatter`). None: one reduce-scatter a leaf.
+        (`reduce_scatter`). None: one reduce-scatter a gather.
+      two_level: `(axis, hosts)` of the manual axes whose devices span `hosts` hosts
+        (1 < hosts < the axis size, no `host` axis naming them): a full-precision gather over
+        one of them alone runs across hosts and then inside each host, its reduce-scatter
+        the other way round (`jaxspeed.sharding.two_level`).
     """
 
     quantized_weights: bool = False
@@ -60,6 +67,17 @@ class Switches(NamedTuple):
     hpz: bool = False
     block: int = qz.BLOCK
     bucket: int | None = None
+    two_level: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the leaves gathered together move as one buffer (`gather_leaves`): in full
+        precision only, where a block of qwZ or qgZ would mix leaves' scales."""
+        return not self.quantized_weights and self.gradient_bits is None
+
+    def hosts(self, axes: tuple[str, ...]) -> int:
+        """The hosts a gather over `axes` runs in two stages over (1: one flat collective)."""
+        return dict(self.two_level).get(axes[0], 1) if len(axes) == 1 else 1
 
 
 class LeafGather(NamedTuple):
@@ -172,18 +190,36 @@ def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, *, bits: int |
 
 def _bucketed_psum_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, bucket: int):
     """`psum_scatter(g, axes, dim, tiled=True)` as several reduce-scatters of at most
-    `bucket` elements each: `g` viewed as `[peers, rest]` (peer p's block of `dim` in row p,
-    flattened), the rest cut into column pieces, each piece reduce-scattered over its rows."""
+    `bucket` elements each (`_scatter_rows` on `g` as rows, one a peer)."""
     peers = jax.lax.axis_size(axes)
-    y = jnp.moveaxis(g, dim, 0)
-    block_shape = (y.shape[0] // peers, *y.shape[1:])
-    rows = y.reshape(peers, -1)
-    width = max(1, bucket // peers)
-    pieces = [jax.lax.psum_scatter(rows[:, start:start + width], axes, scatter_dimension=0,
-                                   tiled=True)
-              for start in range(0, rows.shape[1], width)]
-    mine = jnp.concatenate(pieces, axis=1).reshape(block_shape)
-    return jnp.moveaxis(mine, 0, dim)
+    return _scatter_rows(_rows(g, peers, dim), axes, bucket).reshape(_shard(g.shape, peers, dim))
+
+
+def _shard(shape: tuple[int, ...], peers: int, dim: int) -> tuple[int, ...]:
+    return (*shape[:dim], shape[dim] // peers, *shape[dim + 1:])
+
+
+def _rows(full: jax.Array, peers: int, dim: int) -> jax.Array:
+    """`[peers, size / peers]`: row p is peer p's block of `dim`, flattened as the shard is
+    (the inverse of `_concat_peers` on the rows reshaped to shards)."""
+    split = full.reshape(*full.shape[:dim], peers, full.shape[dim] // peers, *full.shape[dim + 1:])
+    return jnp.moveaxis(split, dim, 0).reshape(peers, -1)
+
+
+def _scatter_rows(rows: jax.Array, axes: tuple[str, ...], bucket: int | None,
+                  hosts: int = 1) -> jax.Array:
+    """The fp32 sum over `axes` of row `me` of `rows [peers, width]`, in column pieces of at
+    most `bucket` elements of `rows` each (None: one piece), each one reduce-scatter: one
+    `psum_scatter`, or two stages over `hosts` (`two_level.reduce_scatter`)."""
+    width = rows.shape[1] if bucket is None else max(1, bucket // rows.shape[0])
+
+    def one(piece):
+        if hosts > 1:
+            return two_level.reduce_scatter(piece, axes[0], hosts=hosts)
+        return jax.lax.psum_scatter(piece, axes, scatter_dimension=0, tiled=True)[0]
+
+    pieces = [one(rows[:, start:start + width]) for start in range(0, rows.shape[1], width)]
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
 
 def _quantized_reduce_scatter(g, axis: str, dim: int, bits: int, block: int):
@@ -228,6 +264,60 @@ def gather_stage(x: jax.Array, axes: tuple[str, ...], dim: int, *, dtype,
     return _gather_stage(x, _Gather(tuple(axes), dim, jnp.dtype(dtype), x.dtype, switches))
 
 
+class _Group(NamedTuple):  # static (hashable) arguments of `gather_group`
+    axes: tuple[str, ...]
+    dims: tuple[int, ...]
+    in_dtypes: tuple[Any, ...]
+    dtype: Any
+    switches: Switches
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_group(xs, op: _Group):
+    flat = jnp.concatenate([x.astype(op.dtype).reshape(-1) for x in xs])
+    hosts = op.switches.hosts(op.axes)
+    if hosts > 1:
+        rows = two_level.all_gather(flat, op.axes[0], hosts=hosts)
+    else:
+        rows = all_gather(flat[None], op.axes, 0, dtype=op.dtype)  # [peers, total]
+    cuts = list(itertools.accumulate(x.size for x in xs))[:-1]
+    return tuple(_concat_peers(part.reshape(-1, *x.shape), dim)
+                 for part, x, dim in zip(jnp.split(rows, cuts, axis=1), xs, op.dims))
+
+
+def _gather_group_fwd(xs, op: _Group):
+    return _gather_group(xs, op), None
+
+
+def _gather_group_bwd(op: _Group, _, cotangents):
+    peers = jax.lax.axis_size(op.axes)
+    rows = jnp.concatenate([_rows(c.astype(jnp.float32), peers, dim)
+                            for c, dim in zip(cotangents, op.dims)], axis=1)
+    mine = _scatter_rows(rows, op.axes, op.switches.bucket, op.switches.hosts(op.axes))
+    shards = [_shard(c.shape, peers, dim) for c, dim in zip(cotangents, op.dims)]
+    cuts = list(itertools.accumulate(math.prod(s) for s in shards))[:-1]
+    return (tuple(part.reshape(s).astype(t)
+                  for part, s, t in zip(jnp.split(mine, cuts), shards, op.in_dtypes)),)
+
+
+_gather_group.defvjp(_gather_group_fwd, _gather_group_bwd)
+
+
+def gather_group(xs, axes: tuple[str, ...], dims, *, dtype, switches: Switches = Switches()):
+    """ZeRO gathers of several leaves over the same `axes` as one collective: each shard
+    `xs[i]` (split on `dims[i]`) in `dtype`, flattened into one buffer, gathered, and cut
+    back into the whole leaves. Its transpose reduce-scatters their fp32 cotangents as one
+    buffer (in pieces of `switches.bucket`). Over one axis that spans hosts
+    (`switches.two_level`), both run in two stages. Full precision only (`Switches.grouped`).
+
+    The same values as `gather_stage` leaf by leaf, in one collective a direction instead of
+    one a leaf: each pays a latency (on the order of a millisecond across hosts over gloo).
+    """
+    op = _Group(tuple(axes), tuple(dims), tuple(x.dtype for x in xs), jnp.dtype(dtype),
+                switches)
+    return list(_gather_group(tuple(xs), op))
+
+
 #: Which of a leaf's gather stages `gather_leaf` runs: all of them; hpZ's `host` stage alone
 #: (the once-per-step secondary copy); or the others (each use).
 PARTS = ("all", "secondary", "use")
@@ -250,24 +340,49 @@ def gather_leaf(x: jax.Array, leaf: LeafGather | None, *, dtype, switches: Switc
     A leaf with no stage to run is returned as it is (cast only by `part="all"` or `"use"`,
     which hand the model its compute params).
     """
-    stages = part_stages(leaf.stages(switches.hpz) if leaf else (), part, switches.hpz)
-    for axes in stages:
-        x = gather_stage(x, axes, leaf.dim, dtype=dtype, switches=switches)
-    if part != "secondary":
-        x = x.astype(dtype)
-    return x
+    return gather_leaves([x], [leaf], [part], dtype=dtype, switches=switches)[0]
+
+
+def gather_leaves(xs, leaves, parts, *, dtype, switches: Switches) -> list:
+    """`gather_leaf` on each `xs[i]` with `leaves[i]` and `parts[i]`; the leaves gathered over
+    the same axes at the same stage move together, one collective a direction
+    (`gather_group`) where `switches.grouped`, else leaf by leaf (`gather_stage`). Leaves that
+    are not floating pass through unchanged."""
+    out = list(xs)
+    stages = [part_stages(leaf.stages(switches.hpz), part, switches.hpz)
+              if leaf is not None and jnp.issubdtype(x.dtype, jnp.floating) else ()
+              for x, leaf, part in zip(xs, leaves, parts)]
+    for depth in range(max(map(len, stages), default=0)):
+        together: dict[tuple[str, ...], list[int]] = {}
+        for i, leaf_stages in enumerate(stages):
+            if depth < len(leaf_stages):
+                together.setdefault(leaf_stages[depth], []).append(i)
+        for axes, members in together.items():
+            dims = [leaves[i].dim for i in members]
+            if switches.grouped:
+                done = gather_group([out[i] for i in members], axes, dims, dtype=dtype,
+                                    switches=switches)
+            else:
+                done = [gather_stage(out[i], axes, dim, dtype=dtype, switches=switches)
+                        for i, dim in zip(members, dims)]
+            for i, x in zip(members, done):
+                out[i] = x
+    return [x.astype(dtype) if part != "secondary" and jnp.issubdtype(x.dtype, jnp.floating)
+            else x for x, part in zip(out, parts)]
 
 
 def not_gathered(prim, *_, **params) -> bool:
     """A remat policy: every value is saved for the backward pass but what a ZeRO gather
     produced, so the backward pass gathers it again (DeepSpeed's ZeRO-3 releases a layer's
     params after its forward pass). A gather is a `custom_vjp` whose primal holds an
-    `all_gather` (its `call_jaxpr`, as jax 0.11 and 0.12 name it)."""
+    `all_gather`, or the `ppermute`s of a two-stage one (its `call_jaxpr`, as jax 0.11 and
+    0.12 name it)."""
     if prim.name != "custom_vjp_call":
         return True
     jaxpr = params.get("call_jaxpr")
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    return not any(eqn.primitive.name == "all_gather" for eqn in getattr(jaxpr, "eqns", ()))
+    return not any(eqn.primitive.name in ("all_gather", "ppermute")
+                   for eqn in getattr(jaxpr, "eqns", ()))
 
 
 def gather_tree(tree, leaves: Mapping[str, LeafGather | None], *, dtype, switches: Switches,
@@ -276,10 +391,9 @@ def gather_tree(tree, leaves: Mapping[str, LeafGather | None], *, dtype, switche
     path; other leaves pass through unchanged."""
     from jaxspeed.sharding.planner import path_str
 
-    def one(path, x):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        leaf = leaves[path_str(path)]
-        return gather_leaf(x, leaf, dtype=dtype, switches=switches, part=part)
-
-    return jax.tree.map_with_path(one, tree)
+    flat, treedef = jax.tree.flatten_with_path(tree)
+    xs = [x for _, x in flat]
+    found = [leaves[path_str(path)] if jnp.issubdtype(x.dtype, jnp.floating) else None
+             for path, x in flat]
+    return treedef.unflatten(
+        gather_leaves(xs, found, [part] * len(xs), dtype=dtype, switches=switches))

@@ -61,8 +61,9 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
     hosts (it has the `host` axis). Per step: a leaf that is not `layered` is gathered once;
     a `layered` one (a scanned stack the model gathers layer by layer) once per microbatch,
     and again by the backward pass: each layer's matrices always, its vectors (norm scales,
-    biases, saved in their broadcast form without remat) only when `recompute`; hpZ's `host`
-    stage of it once; every gradient is reduce-scattered once per microbatch.
+    biases, saved in their broadcast form without remat) only when `recompute` or when they
+    move in one buffer with the matrices (`Switches.grouped`); hpZ's `host` stage of it
+    once; every gradient is reduce-scattered once per microbatch.
 
     Args:
       shapes: leaf path → full (global) shape.
@@ -101,7 +102,8 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
                 add("secondary_gather", axes, nbytes)
             elif per_layer:
                 add("forward_gather", axes, nbytes * accumulation)
-                if recompute or len(shapes[path]) > 2:  # a matrix of each layer
+                # a matrix of each layer; a vector too when it moves with them
+                if recompute or len(shapes[path]) > 2 or switches.grouped:
                     add("backward_gather", axes, nbytes * accumulation)
             else:
                 add("forward_gather", axes, nbytes)

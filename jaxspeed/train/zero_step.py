@@ -40,6 +40,7 @@ from jaxspeed.sharding.leaves import LeafPlan
 from jaxspeed.sharding.planner import Plan
 from jaxspeed.sharding import zero_collectives as zc
 from jaxspeed.sharding import zero_traffic as zt
+from jaxspeed.sharding.two_level import spanned_hosts
 from jaxspeed.sharding.vma import varying_axes
 from jaxspeed.train.onebit_step import _local_rules
 
@@ -97,11 +98,12 @@ class ZeroStep:
 
     def _step_gather(self, params):
         """The once-per-step gathers: whole leaves, or hpZ's secondary copy of layered ones."""
-        def one(x, leaf, layered):
-            part = "secondary" if layered else "all"
-            return zc.gather_leaf(x, leaf, dtype=self.compute_dtype, switches=self.switches,
-                                  part=part)
-        return jax.tree.map(one, params, self.gathers, self.layered, is_leaf=_is_gather)
+        xs, treedef = jax.tree.flatten(params)
+        parts = ["secondary" if layered else "all"
+                 for layered in treedef.flatten_up_to(self.layered)]
+        return treedef.unflatten(zc.gather_leaves(
+            xs, treedef.flatten_up_to(self.gathers), parts, dtype=self.compute_dtype,
+            switches=self.switches))
 
     def _vary(self, params):
         """Params varying over every manual axis: a leaf replicated over one of them (no ZeRO
@@ -281,13 +283,23 @@ def spans_hosts(mesh: Mesh) -> bool:
     return mesh.shape.get(HOST, 1) > 1 or process_count(mesh.devices.flat) > 1
 
 
+def two_level_axes(mesh: Mesh) -> tuple[tuple[str, int], ...]:
+    """`(axis, hosts)` of the manual axes whose devices span `hosts` processes with no `host`
+    axis naming them (the slow link's `mesh.expert=4, mesh.data=1`): `Switches.two_level`."""
+    processes = process_count(mesh.devices.flat)
+    spans = [(axis, spanned_hosts(mesh, axis, processes)) for axis in zc.MANUAL_AXES
+             if mesh.shape.get(axis, 1) > 1]
+    return tuple((axis, hosts) for axis, hosts in spans if 1 < hosts < mesh.shape[axis])
+
+
 def explicit_zero(config, mesh: Mesh, plan: Plan, model, *, compute_dtype,
                   param_count: int) -> ZeroStep | None:
     """The `ZeroStep` when stage 3 runs with explicit collectives (`runs_explicit`), else None."""
     if not runs_explicit(config, mesh):
         return None
     zero = config.zero_optimization
-    switches = switches_of(zero, gloo=over_gloo(mesh.devices.flat))
+    switches = switches_of(zero, gloo=over_gloo(mesh.devices.flat))._replace(
+        two_level=two_level_axes(mesh))
     check_hpz(zero.zero_hpz_partition_size, mesh)
     gathers = _leaves(plan, lambda leaf: zc.leaf_gather(leaf.param, leaf.gathered))
     from jaxspeed.models.gpt import GPT

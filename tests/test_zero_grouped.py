@@ -1,0 +1,167 @@
+"""ZeRO-3's gathers of several leaves as one collective (`zero_collectives.gather_group`), and
+over one mesh axis that spans hosts in two stages (`jaxspeed.sharding.two_level`), on 8
+emulated devices.
+
+The inputs are small integers in floating point, so every sum is exact in any order and each
+result is held to the collective it replaces bit for bit; the engine's step to the sharding
+path at the suite's fp32 tolerance (`tests/numerics.py`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from jaxspeed.cost import hlo
+from jaxspeed.sharding import two_level
+from jaxspeed.sharding import zero_collectives as zc
+from jaxspeed.train import zero_step
+from numerics import assert_adam_params_close
+from test_engine import LR, RHO, tiny_config
+from test_zero_step import Z, dataset, train  # noqa: F401  (dataset: a fixture)
+
+N = 8
+AXES = ("data", "host")  # data-major, as jaxspeed.runtime.mesh.ZERO_AXES splits ZeRO
+
+
+def ints(key, shape):
+    return jax.random.randint(jax.random.key(key), shape, -8, 8).astype(jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def line():
+    return jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
+
+
+@pytest.fixture(scope="module")
+def hosts_mesh():
+    return jax.make_mesh((2, 4), ("host", "data"), axis_types=(AxisType.Auto,) * 2)
+
+
+def mapped(mesh, fn, in_specs, out_specs):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                 axis_names=set(mesh.axis_names)))
+
+
+def kinds(fn, *args):
+    text = fn.lower(*args).compile().as_text()
+    return sorted(op.kind for op in hlo.collectives(text, num_devices=N))
+
+
+@pytest.mark.parametrize("hosts", [2, 4])
+def test_two_level_collectives_equal_the_flat_ones(line, hosts):
+    x, rows = ints(0, (N * 3, 5)), ints(1, (N, N, 3, 5))
+
+    def ours(x, rows):
+        return (two_level.all_gather(x, "data", hosts=hosts)[None],
+                two_level.reduce_scatter(rows[0], "data", hosts=hosts)[None])
+
+    def flat(x, rows):
+        return (jax.lax.all_gather(x, "data")[None],
+                jax.lax.psum_scatter(rows[0], "data", scatter_dimension=0)[None])
+
+    specs = (P("data"), P("data")), (P("data"), P("data"))
+    for a, b in zip(mapped(line, ours, *specs)(x, rows), mapped(line, flat, *specs)(x, rows)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # one message a device a stage: (hosts - 1) across, (8 / hosts - 1) inside
+    assert set(kinds(mapped(line, ours, *specs), x, rows)) == {"collective-permute"}
+
+
+#: Three leaves split on different dimensions: [3, 48] on 1, [16, 5] on 0, [32] on 0.
+SHAPES, DIMS = ((3, 48), (16, 5), (32,)), (1, 0, 0)
+
+
+def _leaves(mesh_axes):
+    xs = [ints(i, s) for i, s in enumerate(SHAPES)]
+    ws = [ints(10 + i, (N, *s)) for i, s in enumerate(SHAPES)]
+    specs = [P(*([None] * d), mesh_axes) for d in DIMS]
+    return xs, ws, specs
+
+
+def _gather_and_pull(mesh, axes, gather, dtype):
+    """The gathered leaves and the gradient of `sum(w * gathered)` w.r.t. the shards."""
+    xs, ws, specs = _leaves(axes)
+    all_axes = tuple(mesh.axis_names)
+
+    def local(xs, ws):
+        got, pull = jax.vjp(lambda xs: gather(xs, dtype), xs)
+        return [g.astype(jnp.float32)[None] for g in got], pull([w[0].astype(dtype)
+                                                                   for w in ws])[0]
+
+    fn = mapped(mesh, local, (specs, [P(all_axes)] * 3), ([P(all_axes)] * 3, specs))
+    return fn, fn(xs, ws), (xs, ws)
+
+
+@pytest.mark.parametrize("switches,dtype", [
+    (zc.Switches(), jnp.float32), (zc.Switches(bucket=40), jnp.float32),
+    (zc.Switches(), jnp.bfloat16)], ids=["one-buffer", "in-pieces", "bf16"])
+def test_a_group_gathers_and_reduces_like_each_leaf_alone(hosts_mesh, switches, dtype):
+    def grouped(xs, dtype):
+        return zc.gather_group(xs, AXES, DIMS, dtype=dtype, switches=switches)
+
+    def alone(xs, dtype):
+        return [zc.gather_stage(x, AXES, d, dtype=dtype, switches=switches)
+                for x, d in zip(xs, DIMS)]
+
+    fn, (got, grads), args = _gather_and_pull(hosts_mesh, AXES, grouped, dtype)
+    _, (want, want_grads), _ = _gather_and_pull(hosts_mesh, AXES, alone, dtype)
+    for a, b in zip([*got, *grads], [*want, *want_grads]):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ops = kinds(fn, *args)
+    if switches.bucket is None:  # one collective a direction for the three leaves
+        assert ops == ["all-gather", "reduce-scatter"]
+    else:  # shards of 18 + 10 + 4 elements, 8 peers: pieces of 5 columns (40 elements), 7
+        assert ops == ["all-gather", *["reduce-scatter"] * 7]
+
+
+def test_a_group_over_an_axis_across_hosts_runs_in_two_stages(line):
+    def with_hosts(hosts):
+        switches = zc.Switches(two_level=(("data", hosts),) if hosts > 1 else ())
+
+        def gather(xs, dtype):
+            return zc.gather_group(xs, ("data",), DIMS, dtype=dtype, switches=switches)
+        return gather
+
+    fn, staged, args = _gather_and_pull(line, "data", with_hosts(2), jnp.float32)
+    _, flat, _ = _gather_and_pull(line, "data", with_hosts(1), jnp.float32)
+    for a, b in zip(jax.tree.leaves(staged), jax.tree.leaves(flat)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # gather: across (1 shift) then inside (3); reduce-scatter: inside (3) then across (1)
+    assert kinds(fn, *args) == ["collective-permute"] * 8
+    assert zc.Switches(two_level=(("data", 2),)).hosts(("data",)) == 2
+    assert zc.Switches(two_level=(("data", 2),)).hosts(AXES) == 1  # a `host` axis names them
+
+
+def test_leaves_gathered_per_layer_move_in_one_collective_a_layer(dataset):  # noqa: F811
+    """The tiny GPT gathered layer by layer across 2 hosts: each layer's leaves in one
+    all-gather (forward and recomputed backward) and one reduce-scatter."""
+    engine = zero_step_engine(["mesh.data=8", "mesh.hosts=2", Z + "max_live_parameters=0"])
+    text = engine.compile_train_step().as_text()
+    per_layer = [op for op in hlo.collectives(text, num_devices=N) if op.executions > 1]
+    assert sorted(op.kind for op in per_layer) == ["all-gather", "all-gather", "reduce-scatter"]
+
+
+def zero_step_engine(overrides):
+    import jaxspeed as js
+
+    return js.initialize(tiny_config(Z + "stage=3", *overrides))
+
+
+def test_a_data_axis_across_two_processes_trains_like_the_sharding_path(dataset, monkeypatch):  # noqa: F811
+    """`mesh.data=8` over 2 processes (their count stubbed: this is one process): the step's
+    ZeRO collectives over `data` run in two stages, to the sharding path's losses and params."""
+    monkeypatch.setattr(zero_step, "process_count", lambda devices: 2)
+    overrides = ["mesh.data=8", Z + "max_live_parameters=0", Z + "collectives=explicit"]
+    engine, state, losses = train(tiny_config(Z + "stage=3", *overrides), dataset, 2)
+    assert engine.explicit_zero.switches.two_level == (("data", 2),)
+    ops = {op.kind for op in hlo.collectives(engine.compile_train_step().as_text(),
+                                             num_devices=N)}
+    assert "collective-permute" in ops and not ops & {"all-gather", "reduce-scatter"}, ops
+    monkeypatch.undo()
+    _, base, base_losses = train(
+        tiny_config(Z + "stage=3", *overrides[:2], Z + "collectives=compiler"), dataset, 2)
+    np.testing.assert_allclose(losses, base_losses, rtol=RHO)
+    assert_adam_params_close(state.params, base.params, steps=2, lr=LR, rho=RHO)
