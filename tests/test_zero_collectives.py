@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxspeed.cost import hlo
 from jaxspeed.ops import quantize as qz
 from jaxspeed.sharding import zero_collectives as zc
+from jaxspeed.sharding import zero_comm as comm
 from jaxspeed.sharding import zero_traffic as zt
 
 HOSTS, DATA = 2, 4
@@ -66,8 +67,8 @@ def test_gather_matches_reference_collectives_bit_for_bit(mesh):
     g = jax.random.normal(jax.random.key(1), (HOSTS * DATA * 8 * 4, 5))
 
     def ours(x, g):
-        return (zc.all_gather(x, AXES, 0, dtype=jnp.float32)[None],
-                zc.reduce_scatter(g, AXES, 0))
+        return (comm.all_gather(x, AXES, 0, dtype=jnp.float32)[None],
+                comm.reduce_scatter(g, AXES, 0))
 
     def reference(x, g):
         return (jax.lax.all_gather(x, AXES, axis=0, tiled=True)[None],
@@ -91,7 +92,7 @@ def test_bucketed_reduce_scatter_equals_psum_scatter(mesh, dim, bucket):
     def local(fn):
         return lambda g: fn(g[0])
 
-    ours = shard_fn(mesh, local(lambda g: zc.reduce_scatter(g, AXES, dim, bucket=bucket)),
+    ours = shard_fn(mesh, local(lambda g: comm.reduce_scatter(g, AXES, dim, bucket=bucket)),
                     spec_in, out_spec)
     ref = shard_fn(mesh, local(lambda g: jax.lax.psum_scatter(
         g, AXES, scatter_dimension=dim, tiled=True)), spec_in, out_spec)
@@ -126,7 +127,7 @@ def test_quantized_gather_within_half_a_scale(mesh):
     block = 64
 
     def local(x):
-        return zc.all_gather(x, AXES, 0, dtype=jnp.float32, quantized=True, block=block)[None]
+        return comm.all_gather(x, AXES, 0, dtype=jnp.float32, quantized=True, block=block)[None]
 
     got = np.asarray(shard_fn(mesh, local, P(AXES), P(("host", "data")))(x))
     shards = np.asarray(x).reshape(HOSTS * DATA, 40 * 3)  # each device's shard, flattened
@@ -144,7 +145,7 @@ def test_quantized_reduce_scatter_within_its_error_bound(mesh, bits):
     g = jax.random.normal(jax.random.key(2), (HOSTS * DATA, 8 * 16, 4))
 
     def ours(g):
-        return zc.reduce_scatter(g[0], AXES, 0, bits=bits, block=32)
+        return comm.reduce_scatter(g[0], AXES, 0, bits=bits, block=32)
 
     got = np.asarray(shard_fn(mesh, ours, P(("host", "data")), P(AXES))(g))
     want = np.asarray(g).sum(0)

@@ -135,7 +135,7 @@ def test_a_group_over_an_axis_across_hosts_runs_in_two_stages(line):
     assert zc.Switches(two_level=(("data", 2),)).hosts(AXES) == 1  # a `host` axis names them
 
 
-def test_leaves_gathered_per_layer_move_in_one_collective_a_layer(dataset):  # noqa: F811
+def test_leaves_gathered_per_layer_move_in_one_collective_a_layer():
     """The tiny GPT gathered layer by layer across 2 hosts: each layer's leaves in one
     all-gather (forward and recomputed backward) and one reduce-scatter."""
     engine = zero_step_engine(["mesh.data=8", "mesh.hosts=2", Z + "max_live_parameters=0"])

@@ -12,7 +12,8 @@ to `comm`. Bytes are per device in the profiler's full-buffer convention
 - **ZeRO-1/2**: fp32 gradient reduce-scatter and fp32 param all-gather over the ZeRO axes
   (`data` before `host`, `jaxspeed.runtime.mesh.ZERO_AXES`), once per step.
 - **ZeRO-3** (the explicit step): per micro-step, the params gathered in the compute dtype for
-  the forward pass and their fp32 gradient reduce-scattered. A model larger than
+  the forward pass and their fp32 gradient reduce-scattered: in full precision one collective
+  a layer (and one for the rest), or one a step; quantized, one a leaf. A model larger than
   `zero_optimization.max_live_parameters` is gathered layer by layer, and again in the
   backward pass when remat recomputes the layers; a smaller one once.
   - qwZ (`zero_quantized_weights`): the gathers move int8 values plus an fp32 scale a block,
@@ -56,8 +57,8 @@ ONEBIT = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
 ONEBIT_VARIANTS = {"Adam": ("OneBitAdam", "ZeroOneAdam"), "AdamW": ("OneBitAdam", "ZeroOneAdam"),
                    "Lamb": ("OneBitLamb",)}
 #: Leaves of one transformer layer (q, k, v, o, two MLP matrices, two norms) and outside the
-#: layers (embedding, final norm): the explicit ZeRO-3 step moves each leaf in its own
-#: collective, which pays its latency.
+#: layers (embedding, final norm): the explicit ZeRO-3 step moves each quantized leaf in its
+#: own collective, which pays its latency (full-precision leaves move together).
 LAYER_LEAVES, OTHER_LEAVES = 8, 2
 #: DeepSpeed's ZeroOneAdam defaults.
 ZERO_ONE_DEFAULTS = {"var_freeze_step": 100000, "var_update_scaler": 16,
@@ -237,8 +238,13 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
     z = math.prod(sizes[a] for a in zero_axes)
     micro = plan.accumulation
     out: list[Transfer] = []
-    parts = [("layers", layered_params, LAYER_LEAVES * (layers if layered else 1), layered),
-             ("other", other_params, OTHER_LEAVES, False)]
+    if not sw.grouped:  # one collective a leaf
+        parts = [("layers", layered_params, LAYER_LEAVES * (layers if layered else 1), layered),
+                 ("other", other_params, OTHER_LEAVES, False)]
+    elif layered:  # one a layer, and one for the rest
+        parts = [("layers", layered_params, layers, True), ("other", other_params, 1, False)]
+    else:  # one a step
+        parts = [("all", layered_params + other_params, 1, False)]
     for label, elements, leaves, per_layer in parts:
         gathered = 1
         for i, axes in enumerate(stages):

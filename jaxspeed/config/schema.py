@@ -156,11 +156,12 @@ class ZeroConfig(_Section):
     #: Elements per fp32 scale in qwZ / qgZ's block quantization (even).
     quantization_block_size: _PositiveInt = 256
     #: Stage 3 with explicit collectives: the most elements one full-precision gradient
-    #: reduce-scatter moves; a larger gradient is reduced in pieces (leaves are not merged,
-    #: as DeepSpeed's `reduce_bucket_size` merges them). `auto`: 2**18 (1 MiB of fp32) where
-    #: the collectives run over gloo (CPU devices in several processes), whose reduce-scatter
-    #: sends each peer its share as one message that a slow TCP link moves below its rate
-    #: past about a MiB (`jaxspeed.autoplan.gloo`); else one reduce-scatter a leaf.
+    #: reduce-scatter moves. The leaves gathered together (a layer's, or every leaf once a
+    #: step) move as one buffer, which is reduced in pieces of at most this many. `auto`:
+    #: 2**18 (1 MiB of fp32) where the collectives run over gloo (CPU devices in several
+    #: processes), whose reduce-scatter sends each peer its share as one message that a slow
+    #: TCP link moves below its rate past about a MiB (`jaxspeed.autoplan.gloo`); else one
+    #: reduce-scatter a buffer.
     max_reduce_scatter_elements: _PositiveInt | Literal["auto"] = "auto"
 
     @model_validator(mode="after")

@@ -1,11 +1,11 @@
 """ZeRO-3 as explicit collectives, and ZeRO++'s qwZ, hpZ and qgZ on top.
 
 Inside a `shard_map` manual over the data-parallel ZeRO axes (`host`, `data`, `expert`), a
-parameter
-stored ZeRO-sharded on dimension `dim` is gathered with `all_gather(tiled=True)`, and the
-gradient of the local loss w.r.t. the shard is the transpose: a reduce-scatter. Both are
-written here, as one `custom_vjp` per gather, so the program says what moves on every backend
-(XLA:CPU compiles the sharding path's gradient reduction to all-reduce + slice):
+parameter stored ZeRO-sharded on dimension `dim` is gathered with `all_gather(tiled=True)`,
+and the gradient of the local loss w.r.t. the shard is the transpose: a reduce-scatter. Both
+are written here, as one `custom_vjp` per gather, so the program says what moves on every
+backend (XLA:CPU compiles the sharding path's gradient reduction to all-reduce + slice); the
+collectives themselves are in `jaxspeed.sharding.zero_comm`:
 
 - forward: cast to the compute dtype, then `all_gather` (qwZ: int8 block-quantized values and
   fp32 block scales, dequantized after; `jaxspeed.ops.quantize`);
@@ -13,6 +13,13 @@ written here, as one `custom_vjp` per gather, so the program says what moves on 
   int4/int8 chunks per mesh axis, major axis first, i.e. inside the host first and then across
   hosts, each receiver dequantizing and summing in fp32). qwZ's quantization is
   straight-through: its backward is the plain (or qgZ) reduce-scatter.
+
+In full precision the leaves gathered together (one layer's, or every leaf once a step) move
+as one flat buffer, one all-gather and one reduce-scatter (`gather_group`) instead of one
+each: every collective pays a latency, on the order of a millisecond across hosts over gloo.
+Over one mesh axis whose devices span hosts with no `host` axis naming them (an expert axis
+across processes), both run in two stages, so each byte crosses the link once
+(`jaxspeed.sharding.two_level`).
 
 hpZ splits a gather into stages: over `host` alone first (once per step: a secondary copy
 sharded within the host, ZeRO's dimension being split data-major), then over the intra-host
@@ -37,6 +44,7 @@ import jax.numpy as jnp
 from jaxspeed.ops import quantize as qz
 from jaxspeed.runtime.mesh import DATA, EXPERT, HOST
 from jaxspeed.sharding import two_level
+from jaxspeed.sharding import zero_comm as comm
 
 #: The axes the explicit ZeRO-3 step is manual over (the batch's rows are split over them).
 #: `expert` shards the dense weights as a ZeRO axis and the expert weights' expert dimension
@@ -132,112 +140,9 @@ class _Gather(NamedTuple):  # static (hashable) arguments of `gather_stage`
     switches: Switches
 
 
-def _concat_peers(y: jax.Array, dim: int) -> jax.Array:
-    """`[peers, *shard]` → the shards concatenated along `dim` (peer-major)."""
-    y = jnp.moveaxis(y, 0, dim)
-    shape = list(y.shape)
-    shape[dim : dim + 2] = [shape[dim] * shape[dim + 1]]
-    return y.reshape(shape)
-
-
-def worth_quantizing(size: int, bits: int, block: int, itemsize: int) -> bool:
-    """Whether `size` elements move in fewer bytes block-quantized than as `itemsize`-byte
-    values (a shard smaller than a block would move its padding): else they move as they are."""
-    return qz.quantized_bytes(size, bits=bits, block=block) < size * itemsize
-
-
-def all_gather(x: jax.Array, axes: tuple[str, ...], dim: int, *, dtype, quantized: bool = False,
-               block: int = qz.BLOCK) -> jax.Array:
-    """`x` (this device's shard) in `dtype`, gathered over `axes` along `dim` (tiled).
-
-    With `quantized`, the shard moves as int8 block-quantized values plus fp32 scales and is
-    dequantized to `dtype` after the gather (qwZ).
-    """
-    if not quantized or not worth_quantizing(x.size, 8, block, jnp.dtype(dtype).itemsize):
-        x = x.astype(dtype)
-        if x.dtype.itemsize != 2:
-            return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
-        # 16-bit floats move as their bits: XLA:CPU would otherwise hoist the consumer's
-        # widening convert above the gather and move fp32.
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
-        gathered = jax.lax.all_gather(bits, axes, axis=dim, tiled=True)
-        return jax.lax.bitcast_convert_type(gathered, x.dtype)
-    q = qz.quantize(x, bits=8, block=block)
-    gathered = qz.Quantized(*(jax.lax.all_gather(a, axes, axis=0) for a in q))
-    return _concat_peers(qz.dequantize(gathered, x.shape, dtype, bits=8), dim)
-
-
-def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, *, bits: int | None = None,
-                   block: int = qz.BLOCK, bucket: int | None = None) -> jax.Array:
-    """The fp32 sum of `g` over `axes`, this device's block of `dim` kept (`psum_scatter`).
-
-    With `bucket`, a `g` of more elements is reduced in pieces of at most `bucket` elements,
-    one `psum_scatter` each, with the same result (`_bucketed_psum_scatter`).
-
-    With `bits` (qgZ), one `all_to_all` per axis, major first: `g` is split into one chunk
-    per peer along `dim`, each chunk block-quantized to `bits` and sent to its peer, which
-    dequantizes what it receives and sums it in fp32; the next axis works on that sum.
-    """
-    g = g.astype(jnp.float32)
-    if bits is None:
-        if bucket is not None and g.size > bucket:
-            return _bucketed_psum_scatter(g, axes, dim, bucket)
-        return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
-    for axis in axes:
-        g = _quantized_reduce_scatter(g, axis, dim, bits, block)
-    return g
-
-
-def _bucketed_psum_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, bucket: int):
-    """`psum_scatter(g, axes, dim, tiled=True)` as several reduce-scatters of at most
-    `bucket` elements each (`_scatter_rows` on `g` as rows, one a peer)."""
-    peers = jax.lax.axis_size(axes)
-    return _scatter_rows(_rows(g, peers, dim), axes, bucket).reshape(_shard(g.shape, peers, dim))
-
-
-def _shard(shape: tuple[int, ...], peers: int, dim: int) -> tuple[int, ...]:
-    return (*shape[:dim], shape[dim] // peers, *shape[dim + 1:])
-
-
-def _rows(full: jax.Array, peers: int, dim: int) -> jax.Array:
-    """`[peers, size / peers]`: row p is peer p's block of `dim`, flattened as the shard is
-    (the inverse of `_concat_peers` on the rows reshaped to shards)."""
-    split = full.reshape(*full.shape[:dim], peers, full.shape[dim] // peers, *full.shape[dim + 1:])
-    return jnp.moveaxis(split, dim, 0).reshape(peers, -1)
-
-
-def _scatter_rows(rows: jax.Array, axes: tuple[str, ...], bucket: int | None,
-                  hosts: int = 1) -> jax.Array:
-    """The fp32 sum over `axes` of row `me` of `rows [peers, width]`, in column pieces of at
-    most `bucket` elements of `rows` each (None: one piece), each one reduce-scatter: one
-    `psum_scatter`, or two stages over `hosts` (`two_level.reduce_scatter`)."""
-    width = rows.shape[1] if bucket is None else max(1, bucket // rows.shape[0])
-
-    def one(piece):
-        if hosts > 1:
-            return two_level.reduce_scatter(piece, axes[0], hosts=hosts)
-        return jax.lax.psum_scatter(piece, axes, scatter_dimension=0, tiled=True)[0]
-
-    pieces = [one(rows[:, start:start + width]) for start in range(0, rows.shape[1], width)]
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-
-
-def _quantized_reduce_scatter(g, axis: str, dim: int, bits: int, block: int):
-    peers = jax.lax.axis_size(axis)
-    if not worth_quantizing(g.size // peers, bits, block, 4):
-        return jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
-    y = jnp.moveaxis(g, dim, 0)
-    chunks = y.reshape(peers, y.shape[0] // peers, *y.shape[1:])
-    q = jax.vmap(functools.partial(qz.quantize, bits=bits, block=block))(chunks)
-    received = qz.Quantized(*(
-        jax.lax.all_to_all(a, axis, split_axis=0, concat_axis=0, tiled=True) for a in q))
-    summed = qz.dequantize(received, chunks.shape[1:], jnp.float32, bits=bits).sum(axis=0)
-    return jnp.moveaxis(summed, 0, dim)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _gather_stage(x, op: _Gather):
-    return all_gather(x, op.axes, op.dim, dtype=op.dtype,
+    return comm.all_gather(x, op.axes, op.dim, dtype=op.dtype,
                       quantized=op.switches.quantized_weights, block=op.switches.block)
 
 
@@ -247,7 +152,7 @@ def _gather_fwd(x, op: _Gather):
 
 def _gather_bwd(op: _Gather, _, cotangent):
     s = op.switches
-    summed = reduce_scatter(cotangent, op.axes, op.dim, bits=s.gradient_bits, block=s.block,
+    summed = comm.reduce_scatter(cotangent, op.axes, op.dim, bits=s.gradient_bits, block=s.block,
                             bucket=s.bucket)
     return (summed.astype(op.in_dtype),)
 
@@ -279,9 +184,9 @@ def _gather_group(xs, op: _Group):
     if hosts > 1:
         rows = two_level.all_gather(flat, op.axes[0], hosts=hosts)
     else:
-        rows = all_gather(flat[None], op.axes, 0, dtype=op.dtype)  # [peers, total]
+        rows = comm.all_gather(flat[None], op.axes, 0, dtype=op.dtype)  # [peers, total]
     cuts = list(itertools.accumulate(x.size for x in xs))[:-1]
-    return tuple(_concat_peers(part.reshape(-1, *x.shape), dim)
+    return tuple(comm.concat_peers(part.reshape(-1, *x.shape), dim)
                  for part, x, dim in zip(jnp.split(rows, cuts, axis=1), xs, op.dims))
 
 
@@ -291,10 +196,10 @@ def _gather_group_fwd(xs, op: _Group):
 
 def _gather_group_bwd(op: _Group, _, cotangents):
     peers = jax.lax.axis_size(op.axes)
-    rows = jnp.concatenate([_rows(c.astype(jnp.float32), peers, dim)
+    rows = jnp.concatenate([comm.rows_of(c.astype(jnp.float32), peers, dim)
                             for c, dim in zip(cotangents, op.dims)], axis=1)
-    mine = _scatter_rows(rows, op.axes, op.switches.bucket, op.switches.hosts(op.axes))
-    shards = [_shard(c.shape, peers, dim) for c, dim in zip(cotangents, op.dims)]
+    mine = comm.scatter_rows(rows, op.axes, op.switches.bucket, op.switches.hosts(op.axes))
+    shards = [comm.shard_shape(c.shape, peers, dim) for c, dim in zip(cotangents, op.dims)]
     cuts = list(itertools.accumulate(math.prod(s) for s in shards))[:-1]
     return (tuple(part.reshape(s).astype(t)
                   for part, s, t in zip(jnp.split(mine, cuts), shards, op.in_dtypes)),)

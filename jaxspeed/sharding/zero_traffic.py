@@ -9,9 +9,8 @@ from typing import NamedTuple
 
 from jaxspeed.ops import quantize as qz
 from jaxspeed.runtime.mesh import HOST
-from jaxspeed.sharding.zero_collectives import (
-    LeafGather, Switches, leaf_gather, part_stages, worth_quantizing,
-)
+from jaxspeed.sharding.zero_collectives import LeafGather, Switches, leaf_gather, part_stages
+from jaxspeed.sharding.zero_comm import worth_quantizing
 
 
 class Traffic(NamedTuple):
