@@ -150,6 +150,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--timeout must be > 0 and --loss-tolerance >= 0")
     wanted = {*names, *(b for n in names if (b := CONFIGS[n].baseline) is not None)}
     args.names = [n for n in CONFIGS if n in wanted]  # each baseline just before its rivals
+    kept = [n for n in args.names if args.out and (Path(args.out) / n).exists()]
+    if kept:  # a run there would resume its checkpoint, or refuse it after the calibration
+        parser.error(f"--out {args.out} already holds runs of {', '.join(kept)}; give a new "
+                     "directory")
     return args
 
 

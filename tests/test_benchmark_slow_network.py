@@ -49,6 +49,15 @@ def test_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_an_out_dir_with_runs_of_these_configurations_is_refused(tmp_path, capsys):
+    (tmp_path / "moe_flat").mkdir()  # the baseline of moe_auto: it would resume there
+    with pytest.raises(SystemExit):
+        slow_network.parse_args(["--configs", "moe_auto", "--out", str(tmp_path)])
+    assert f"--out {tmp_path} already holds runs of moe_flat" in capsys.readouterr().err
+    assert slow_network.parse_args(["--configs", "adamw", "--out", str(tmp_path)]).names == [
+        "adamw"]
+
+
 def test_each_baseline_runs_just_before_its_rivals():
     assert slow_network.parse_args(["--configs", "onebit_lamb,zeropp"]).names == [
         "zero3", "zeropp", "lamb", "onebit_lamb"]
