@@ -117,7 +117,8 @@ def test_a_group_gathers_and_reduces_like_each_leaf_alone(hosts_mesh, switches, 
         assert ops == ["all-gather", *["reduce-scatter"] * 7]
 
 
-def test_a_group_over_an_axis_across_hosts_runs_in_two_stages(line):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_group_over_an_axis_across_hosts_runs_in_two_stages(line, dtype):
     def with_hosts(hosts):
         switches = zc.Switches(two_level=(("data", hosts),) if hosts > 1 else ())
 
@@ -125,12 +126,18 @@ def test_a_group_over_an_axis_across_hosts_runs_in_two_stages(line):
             return zc.gather_group(xs, ("data",), DIMS, dtype=dtype, switches=switches)
         return gather
 
-    fn, staged, args = _gather_and_pull(line, "data", with_hosts(2), jnp.float32)
-    _, flat, _ = _gather_and_pull(line, "data", with_hosts(1), jnp.float32)
+    fn, staged, args = _gather_and_pull(line, "data", with_hosts(2), dtype)
+    _, flat, _ = _gather_and_pull(line, "data", with_hosts(1), dtype)
     for a, b in zip(jax.tree.leaves(staged), jax.tree.leaves(flat)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # gather: across (1 shift) then inside (3); reduce-scatter: inside (3) then across (1)
     assert kinds(fn, *args) == ["collective-permute"] * 8
+    # a shard is 32 elements: the gather moves it across, then the 2 hosts' inside, in the
+    # compute dtype (bf16 as 16-bit words); the reduce-scatter the same back, in fp32
+    ops = hlo.collectives(fn.lower(*args).compile().as_text(), num_devices=N)
+    moved = [32, 64, 64, 64]
+    assert sorted(op.bytes for op in ops) == sorted(
+        [n * jnp.dtype(dtype).itemsize for n in moved] + [n * 4 for n in moved])
     assert zc.Switches(two_level=(("data", 2),)).hosts(("data",)) == 2
     assert zc.Switches(two_level=(("data", 2),)).hosts(AXES) == 1  # a `host` axis names them
 
@@ -150,7 +157,8 @@ def zero_step_engine(overrides):
     return js.initialize(tiny_config(Z + "stage=3", *overrides))
 
 
-def test_a_data_axis_across_two_processes_trains_like_the_sharding_path(dataset, monkeypatch):  # noqa: F811
+def test_a_data_axis_across_two_processes_trains_like_the_sharding_path(  # noqa: F811
+        dataset, monkeypatch):
     """`mesh.data=8` over 2 processes (their count stubbed: this is one process): the step's
     ZeRO collectives over `data` run in two stages, to the sharding path's losses and params."""
     monkeypatch.setattr(zero_step, "process_count", lambda devices: 2)

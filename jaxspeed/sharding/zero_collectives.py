@@ -143,7 +143,7 @@ class _Gather(NamedTuple):  # static (hashable) arguments of `gather_stage`
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _gather_stage(x, op: _Gather):
     return comm.all_gather(x, op.axes, op.dim, dtype=op.dtype,
-                      quantized=op.switches.quantized_weights, block=op.switches.block)
+                           quantized=op.switches.quantized_weights, block=op.switches.block)
 
 
 def _gather_fwd(x, op: _Gather):
@@ -152,8 +152,8 @@ def _gather_fwd(x, op: _Gather):
 
 def _gather_bwd(op: _Gather, _, cotangent):
     s = op.switches
-    summed = comm.reduce_scatter(cotangent, op.axes, op.dim, bits=s.gradient_bits, block=s.block,
-                            bucket=s.bucket)
+    summed = comm.reduce_scatter(cotangent, op.axes, op.dim, bits=s.gradient_bits,
+                                 block=s.block, bucket=s.bucket)
     return (summed.astype(op.in_dtype),)
 
 
@@ -182,7 +182,7 @@ def _gather_group(xs, op: _Group):
     flat = jnp.concatenate([x.astype(op.dtype).reshape(-1) for x in xs])
     hosts = op.switches.hosts(op.axes)
     if hosts > 1:
-        rows = two_level.all_gather(flat, op.axes[0], hosts=hosts)
+        rows = comm.as_words(lambda w: two_level.all_gather(w, op.axes[0], hosts=hosts), flat)
     else:
         rows = comm.all_gather(flat[None], op.axes, 0, dtype=op.dtype)  # [peers, total]
     cuts = list(itertools.accumulate(x.size for x in xs))[:-1]

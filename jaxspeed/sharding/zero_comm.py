@@ -23,6 +23,16 @@ def concat_peers(y: jax.Array, dim: int) -> jax.Array:
     return y.reshape(shape)
 
 
+def as_words(move, x: jax.Array) -> jax.Array:
+    """`move(x)` (a collective that only moves values), a 16-bit float moved as its bits:
+    XLA:CPU would otherwise hoist the consumer's widening convert above the collective and
+    move fp32."""
+    if x.dtype.itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return move(x)
+    words = move(jax.lax.bitcast_convert_type(x, jnp.uint16))
+    return jax.lax.bitcast_convert_type(words, x.dtype)
+
+
 def worth_quantizing(size: int, bits: int, block: int, itemsize: int) -> bool:
     """Whether `size` elements move in fewer bytes block-quantized than as `itemsize`-byte
     values (a shard smaller than a block would move its padding): else they move as they are."""
@@ -37,14 +47,8 @@ def all_gather(x: jax.Array, axes: tuple[str, ...], dim: int, *, dtype, quantize
     dequantized to `dtype` after the gather (qwZ).
     """
     if not quantized or not worth_quantizing(x.size, 8, block, jnp.dtype(dtype).itemsize):
-        x = x.astype(dtype)
-        if x.dtype.itemsize != 2:
-            return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
-        # 16-bit floats move as their bits: XLA:CPU would otherwise hoist the consumer's
-        # widening convert above the gather and move fp32.
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
-        gathered = jax.lax.all_gather(bits, axes, axis=dim, tiled=True)
-        return jax.lax.bitcast_convert_type(gathered, x.dtype)
+        return as_words(lambda w: jax.lax.all_gather(w, axes, axis=dim, tiled=True),
+                        x.astype(dtype))
     q = qz.quantize(x, bits=8, block=block)
     gathered = qz.Quantized(*(jax.lax.all_gather(a, axes, axis=0) for a in q))
     return concat_peers(qz.dequantize(gathered, x.shape, dtype, bits=8), dim)
