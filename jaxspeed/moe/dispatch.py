@@ -18,8 +18,6 @@ Both are differentiable in the token rows, the expert outputs and the combine we
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
