@@ -84,18 +84,20 @@ def _bucketed_psum_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, bucket
 
 
 def shard_shape(shape: tuple[int, ...], peers: int, dim: int) -> tuple[int, ...]:
+    """One peer's block of `shape`, split `peers` ways on `dim`."""
     return (*shape[:dim], shape[dim] // peers, *shape[dim + 1:])
 
 
 def rows_of(full: jax.Array, peers: int, dim: int) -> jax.Array:
     """`[peers, size / peers]`: row p is peer p's block of `dim`, flattened as the shard is
     (the inverse of `concat_peers` on the rows reshaped to shards)."""
-    split = full.reshape(*full.shape[:dim], peers, full.shape[dim] // peers, *full.shape[dim + 1:])
+    block = shard_shape(full.shape, peers, dim)
+    split = full.reshape(*block[:dim], peers, *block[dim:])
     return jnp.moveaxis(split, dim, 0).reshape(peers, -1)
 
 
 def scatter_rows(rows: jax.Array, axes: tuple[str, ...], bucket: int | None,
-                  hosts: int = 1) -> jax.Array:
+                 hosts: int = 1) -> jax.Array:
     """The fp32 sum over `axes` of row `me` of `rows [peers, width]`, in column pieces of at
     most `bucket` elements of `rows` each (None: one piece), each one reduce-scatter: one
     `psum_scatter`, or two stages over `hosts` (`two_level.reduce_scatter`)."""
