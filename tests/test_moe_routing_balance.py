@@ -59,14 +59,14 @@ def _grads(module, params, x):
     return fn(params, x)
 
 
-def _on_mesh_and_one_device(options, axes, **extra):
-    """`(on the mesh, on one device with num_groups=8, the mesh's compiled HLO)`, each
-    `((loss, (y, metrics)), (d params, d x))`, the same params on both."""
-    ref_module = MoE(num_groups=8, **options)
+def _on_mesh_and_one_device(options, axes, *, num_groups=None, **extra):
+    """`(on the mesh, on one device with num_groups (default 8), the mesh's compiled HLO)`,
+    each `((loss, (y, metrics)), (d params, d x))`, the same params on both."""
+    ref_module = MoE(num_groups=num_groups or 8, **options)
     params = _params(ref_module)
     ref = _grads(ref_module, jax.tree.map(jnp.asarray, params), jnp.asarray(X))
     mesh = make_mesh(axes)
-    module = MoE(**options, **extra)
+    module = MoE(**options, num_groups=num_groups, **extra)
     specs = nn.get_partition_spec(_abstract(module))["params"]
     with jax.set_mesh(mesh):
         placed = jax.device_put(params, plan_sharding(params, specs, mesh, stage=0).params)

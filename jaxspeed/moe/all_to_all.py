@@ -14,7 +14,9 @@ source order along `concat`. Between hosts that is `per_host` messages per devic
 
 So the slow link carries `hosts - 1` messages per device, each `per_host` times larger, instead
 of `(hosts - 1) * per_host`, with the same bytes. Each exchange is a `ppermute` (its transpose is
-the reverse `ppermute`, so gradients are the same two stages backwards).
+the reverse `ppermute`, so gradients are the same two stages backwards). Where a device's tokens
+are fewer bytes than the slots it sends one host, the MoE layer sends the tokens across instead
+(`jaxspeed.moe.host_tokens`) and uses `within_host_all_to_all` for the rest.
 
 `a2a_chunk_count` says in how many chunks the capacity buffer goes out (`MoE.a2a_chunks`).
 """

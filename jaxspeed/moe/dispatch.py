@@ -60,7 +60,7 @@ def take_rows(table, idx):
     return jnp.where((idx >= 0)[..., None], rows, jnp.zeros((), table.dtype))
 
 
-def _slots(routing: Routing, capacity: int, num_experts: int):
+def flat_slots(routing: Routing, capacity: int, num_experts: int):
     """Flat slot `e * C + c` per (token, choice), `[T, k]` int32; -1 where dropped."""
     flat = routing.expert_index * capacity + routing.position
     return jnp.where(_kept(routing, capacity, num_experts), flat, -1).astype(jnp.int32)
@@ -155,7 +155,7 @@ def dispatch(x, routing: Routing, num_experts: int, *, impl: str = "auto"):
             f"x must have shape [tokens, model] with tokens = {routing.expert_index.shape[0]} "
             f"(the routing's), got {x.shape}")
     num_slots = num_experts * capacity
-    slots = _slots(routing, capacity, num_experts)
+    slots = flat_slots(routing, capacity, num_experts)
     out = _xla_dispatch(x, slots, _token_of_slot(slots, num_slots))
     return out.reshape(num_experts, capacity, x.shape[1])
 
@@ -180,7 +180,7 @@ def combine(y, routing: Routing, *, impl: str = "auto"):
     if impl == "pallas":
         return kernels.moe_combine(y, routing.expert_index, routing.position, routing.weight)
     num_experts, _, width = y.shape
-    slots = _slots(routing, capacity, num_experts)
+    slots = flat_slots(routing, capacity, num_experts)
     token = _token_of_slot(slots, num_experts * capacity)
     weight = routing.weight.astype(jnp.float32)
     return _xla_combine(y.reshape(num_experts * capacity, width), slots, weight, token)

@@ -1,5 +1,6 @@
-"""An MoE layer's expert FFN on its dispatched capacity buffer, by strategy
-(`jaxspeed.moe.strategies`): the exchanges with the experts' owners, or the experts gathered.
+"""An MoE layer's experts on a device's routed tokens, by strategy (`jaxspeed.moe.strategies`):
+dispatched to the capacity buffer, exchanged with the experts' owners (or the experts
+gathered), and combined back.
 
 Runs inside `shard_map` (or a step's map) manual over the expert axis; `jaxspeed.moe.parallel`
 calls it per device.
@@ -16,7 +17,10 @@ import jax.numpy as jnp
 from jaxspeed.moe.all_to_all import (
     a2a_chunk_count, collectives_overlap, hierarchical_all_to_all, within_host_all_to_all,
 )
+from jaxspeed.moe.dispatch import combine, dispatch
 from jaxspeed.moe.experts import ExpertParams, expert_ffn
+from jaxspeed.moe.gating import Routing
+from jaxspeed.moe.host_tokens import exchange_tokens, sends_tokens
 from jaxspeed.moe.strategies import choose
 from jaxspeed.sharding.two_level import gather_across_hosts
 
@@ -24,26 +28,35 @@ if TYPE_CHECKING:
     from jaxspeed.moe.parallel import GatingOptions
 
 
-def exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: str | None,
-             ep: int):
-    """The experts' FFN on the dispatched buffer `[E, S, M]`, by `opts.parallelism`
-    (`jaxspeed.moe.strategies`): on the experts' owners (`expert`), here with every expert
-    gathered (`data`), or on the owners inside the host with the other hosts' experts gathered
-    (`expert_data`); `auto` picks one of them for this buffer's size. Returns the FFN's
-    output and the strategy that ran (None without an expert axis).
+def exchange(x, routing: Routing, experts: ExpertParams, *, groups: int, opts: GatingOptions,
+             expert_axis: str | None, ep: int):
+    """The experts' outputs for this device's tokens `x [N, M]`, combined, by
+    `opts.parallelism` (`jaxspeed.moe.strategies`): on the experts' owners (`expert`), here with
+    every expert gathered (`data`), or on the owners inside the host with the other hosts'
+    experts gathered (`expert_data`); `auto` picks one of them for the capacity buffer's size.
+    Returns the output `[N, M]` and the strategy that ran (None without an expert axis).
+
+    Args:
+      x: `[N, M]`, this device's `groups` token groups one after another.
+      routing: their routing over `groups * E` virtual experts (`parallel._flat_routing`).
 
     `expert`'s exchange is flat or, with `opts.all_to_all="hierarchical"`, inside each of the
-    `opts.a2a_hosts` hosts first and then across them (`hierarchical_all_to_all`).
-    With `opts.a2a_chunks` > 1 the `S` slots go out in that many chunks, each its own
-    all-to-all, FFN and all-to-all back: chunk i+1's exchange has no dependence on chunk i's
-    FFN, so a scheduler that runs collectives asynchronously (XLA:GPU's) overlaps them. The FFN
-    is row by row, so the result is the unchunked one.
+    `opts.a2a_hosts` hosts first and then across them: the capacity buffer's slots
+    (`hierarchical_all_to_all`), or the tokens themselves where they are fewer bytes
+    (`jaxspeed.moe.host_tokens`). With `opts.a2a_chunks` > 1 the slots go out in that many
+    chunks (`through_owners`).
     """
+    num_experts, capacity, width = opts.num_experts, routing.capacity, x.shape[1]
     if ep == 1:
-        return expert_ffn(buf, experts, activation=opts.activation), None
+        return _on_buffer(x, routing, groups, opts, lambda buf: expert_ffn(
+            buf, experts, activation=opts.activation)), None
     hosts, hierarchical = opts.a2a_hosts or 1, opts.all_to_all == "hierarchical"
+    itemsize = x.dtype.itemsize
+    buffer_bytes = num_experts * groups * capacity * width * itemsize
+    # the tokens with their routing: each choice's fp32 weight and int32 slot
+    token_bytes = x.size * itemsize + routing.weight.size * 8 if hierarchical else None
     strategy = choose(
-        opts.parallelism, buffer_bytes=buf.size * buf.dtype.itemsize,
+        opts.parallelism, buffer_bytes=buffer_bytes, token_bytes=token_bytes,
         weight_bytes=sum(w.size * w.dtype.itemsize for w in experts if w is not None),
         ep=ep, hosts=hosts, hierarchical=hierarchical, cluster=opts.cluster)
     gather = {"data": lambda w: jax.lax.all_gather(w, expert_axis, axis=0, tiled=True),
@@ -51,14 +64,45 @@ def exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: st
     if strategy in gather:
         experts = ExpertParams(*(None if w is None else gather[strategy](w) for w in experts))
     if strategy == "data":
-        return expert_ffn(buf, experts, activation=opts.activation), strategy
+        return _on_buffer(x, routing, groups, opts, lambda buf: expert_ffn(
+            buf, experts, activation=opts.activation)), strategy
+    inside = functools.partial(through_owners, experts=experts, opts=opts, ep=ep,
+                               move=functools.partial(within_host_all_to_all, axis=expert_axis,
+                                                      hosts=hosts))
+    if strategy == "expert" and hierarchical and sends_tokens(
+            token_bytes=token_bytes, buffer_bytes=buffer_bytes, hosts=hosts):
+        return exchange_tokens(x, routing, inside, groups=groups, num_experts=num_experts,
+                               axis=expert_axis, hosts=hosts, impl=opts.impl), strategy
     if strategy == "expert_data":  # device l of each host owns the experts of shards h*L + l
         per_host = ep // hosts
-        buf = swap_expert_blocks(buf, hosts, per_host)
-        move = functools.partial(within_host_all_to_all, axis=expert_axis, hosts=hosts)
-    else:
-        move = functools.partial(hierarchical_all_to_all, axis=expert_axis,
-                                 hosts=hosts if hierarchical else 1)
+        return _on_buffer(x, routing, groups, opts, lambda buf: swap_expert_blocks(
+            inside(swap_expert_blocks(buf, hosts, per_host)), per_host, hosts)), strategy
+    move = functools.partial(hierarchical_all_to_all, axis=expert_axis,
+                             hosts=hosts if hierarchical else 1)
+    return _on_buffer(x, routing, groups, opts, functools.partial(
+        through_owners, experts=experts, opts=opts, ep=ep, move=move)), strategy
+
+
+def _on_buffer(x, routing: Routing, groups: int, opts: GatingOptions, ffn):
+    """`x` dispatched to this device's capacity buffer `[E, G_l * C, M]`, `ffn` on it, and
+    combined back."""
+    num_experts, capacity, width = opts.num_experts, routing.capacity, x.shape[1]
+    buf = dispatch(x, routing, groups * num_experts, impl=opts.impl)  # [G_l*E, C, M]
+    buf = buf.reshape(groups, num_experts, capacity, width).swapaxes(0, 1)
+    out = ffn(buf.reshape(num_experts, groups * capacity, width))
+    out = out.reshape(num_experts, groups, capacity, width).swapaxes(0, 1)
+    return combine(out.reshape(groups * num_experts, capacity, width), routing, impl=opts.impl)
+
+
+def through_owners(buf, *, experts: ExpertParams, opts: GatingOptions, ep: int, move):
+    """The experts' FFN on their slots `buf [E', S, M]`, run where `move` (an all-to-all,
+    `split_axis` experts and `concat_axis` slots) takes each expert's slots, and moved back.
+
+    With `opts.a2a_chunks` > 1 the `S` slots go out in that many chunks, each its own
+    all-to-all, FFN and all-to-all back: chunk i+1's exchange has no dependence on chunk i's
+    FFN, so a scheduler that runs collectives asynchronously (XLA:GPU's) overlaps them. The FFN
+    is row by row, so the result is the unchunked one.
+    """
     row_bytes = buf.shape[0] * buf.shape[2] * buf.dtype.itemsize
     chunks = a2a_chunk_count(opts.a2a_chunks, buf.shape[1], row_bytes, ep,
                              overlap=collectives_overlap())
@@ -66,13 +110,10 @@ def exchange(buf, experts: ExpertParams, *, opts: GatingOptions, expert_axis: st
     def one(part):
         part = move(part, split_axis=0, concat_axis=1)
         return move(expert_ffn(part, experts, activation=opts.activation),
-                        split_axis=1, concat_axis=0)
+                    split_axis=1, concat_axis=0)
 
-    out = one(buf) if chunks == 1 else jnp.concatenate(
+    return one(buf) if chunks == 1 else jnp.concatenate(
         [one(part) for part in jnp.split(buf, chunks, axis=1)], axis=1)
-    if strategy == "expert_data":
-        out = swap_expert_blocks(out, per_host, hosts)
-    return out, strategy
 
 
 def swap_expert_blocks(buf, outer: int, inner: int):

@@ -185,7 +185,8 @@ class MoE(nn.Module):
       all_to_all: "flat" or "hierarchical" (Tutel's 2D all-to-all,
         `jaxspeed.moe.all_to_all`): inside each host first, then across hosts with one
         message per device and host pair, so a slow link carries fewer, larger messages.
-        The same result as "flat".
+        Where a device's tokens are fewer bytes than its slots for one host, the tokens go
+        across instead (`jaxspeed.moe.host_tokens`). The same result as "flat".
       a2a_hosts: the hosts the expert axis spans, for "hierarchical" and the parallelism
         strategies; None: the processes its devices belong to (an int emulates hosts within
         one process).

@@ -39,7 +39,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
 from jaxspeed.runtime.mesh import DATA, HOST
-from jaxspeed.moe.dispatch import combine, dispatch
 from jaxspeed.moe.experts import ExpertParams, capacity_buckets, dropless_ffn, switch_on_capacity
 from jaxspeed.moe.balance import centered_load, report_load
 from jaxspeed.moe.exchange import exchange
@@ -179,19 +178,12 @@ def _flat_routing(routing: Routing, num_experts: int) -> Routing:
 
 def _experts_via_buffers(x, routing: Routing, experts: ExpertParams, *, opts: GatingOptions,
                          expert_axis: str | None, ep: int):
-    """Dispatch to `[E, G_l*C, M]`, all-to-all to the experts' owners, FFN, back, combine;
-    also the strategy that ran, one-hot (`ran`)."""
+    """Dispatch to the capacity buffer, to the experts' owners and back, combine
+    (`exchange`); also the strategy that ran, one-hot (`ran`)."""
     groups, tokens, width = x.shape
-    num_experts = opts.num_experts
-    flat = _flat_routing(routing, num_experts)
-    capacity = flat.capacity
-    buf = dispatch(x.reshape(groups * tokens, width), flat, groups * num_experts,
-                   impl=opts.impl)  # [G_l*E, C, M]
-    buf = buf.reshape(groups, num_experts, capacity, width).transpose(1, 0, 2, 3)
-    buf = buf.reshape(num_experts, groups * capacity, width)
-    out, strategy = exchange(buf, experts, opts=opts, expert_axis=expert_axis, ep=ep)
-    out = out.reshape(num_experts, groups, capacity, width).transpose(1, 0, 2, 3)
-    y = combine(out.reshape(groups * num_experts, capacity, width), flat, impl=opts.impl)
+    y, strategy = exchange(x.reshape(groups * tokens, width),
+                           _flat_routing(routing, opts.num_experts), experts, groups=groups,
+                           opts=opts, expert_axis=expert_axis, ep=ep)
     return y, ran(strategy)
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
+from jaxspeed.moe.host_tokens import sends_tokens
+
 #: `MoE.parallelism` values.
 PARALLELISMS = ("expert", "data", "expert_data", "auto")
 #: The strategies `auto` chooses from.
@@ -69,8 +71,8 @@ def links_of(cluster: Any) -> Links:
 
 
 def strategy_seconds(strategy: str, *, buffer_bytes: int, weight_bytes: int, ep: int,
-                     hosts: int, hierarchical: bool = False, cluster: Links | None = None
-                     ) -> float:
+                     hosts: int, hierarchical: bool = False, token_bytes: int | None = None,
+                     cluster: Links | None = None) -> float:
     """The expert axis's communication of one MoE layer's step (forward and backward) under
     `strategy`, by `jaxspeed.autoplan.comm`'s model on the cluster's links.
 
@@ -80,6 +82,8 @@ def strategy_seconds(strategy: str, *, buffer_bytes: int, weight_bytes: int, ep:
       weight_bytes: one device's stored experts (`E / ep` of them).
       ep: devices on the expert axis; hosts: the hosts it spans (dividing `ep`).
       hierarchical: `expert`'s all-to-all runs in two stages (`hierarchical_all_to_all`).
+      token_bytes: one device's tokens `[N, M]` and their routing: with `hierarchical`, what goes across hosts
+        instead of the slots where it is fewer bytes (`jaxspeed.moe.host_tokens`).
       cluster: the cluster's links (`links_of`); None: `UNIFORM`.
     """
     from jaxspeed.autoplan.comm import collective_time  # the planner's link model
@@ -101,9 +105,12 @@ def strategy_seconds(strategy: str, *, buffer_bytes: int, weight_bytes: int, ep:
     if strategy == "expert_data":
         return (2 * (hosts - 1) * cost("collective-permute", weight_bytes, ("host",))
                 + 4 * cost("all-to-all", buffer_bytes, ("expert",)))
-    if hierarchical and 1 < hosts < ep:
+    tokens = token_bytes is not None and sends_tokens(
+        token_bytes=token_bytes, buffer_bytes=buffer_bytes, hosts=hosts)
+    if hierarchical and (tokens or 1 < hosts < ep):
+        across = token_bytes if tokens else buffer_bytes / hosts
         exchange = (cost("all-to-all", buffer_bytes, ("expert",))
-                    + (hosts - 1) * cost("collective-permute", buffer_bytes / hosts, ("host",)))
+                    + (hosts - 1) * cost("collective-permute", across, ("host",)))
     else:
         exchange = cost("all-to-all", buffer_bytes, every)
     return 4 * exchange

@@ -81,12 +81,13 @@ def gather_across_hosts(x, axis: str, *, hosts: int):
     """
     if hosts == 1:
         return x
-    got = _stack_across_hosts(x, axis, hosts)
+    got = stack_across_hosts(x, axis, hosts=hosts)
     return got.reshape(hosts * x.shape[0], *x.shape[1:])
 
 
-def _stack_across_hosts(x, axis: str, hosts: int):
-    """`[hosts, *x.shape]`: `x` of this local index's device on every host, in host order."""
+def stack_across_hosts(x, axis: str, *, hosts: int):
+    """`[hosts, *x.shape]`: `x` of this local index's device on every host, in host order
+    (its transpose is `sum_across_hosts`)."""
     per_host, host, _ = _split(axis, hosts)
     arrived = []  # at shift e: from host (h - e) % H
     for e in range(hosts):
@@ -104,7 +105,7 @@ def all_gather(x, axis: str, *, hosts: int):
       hosts: the hosts the axis spans (dividing `n`).
     """
     per_host, _, local = _split(axis, hosts)
-    across = _stack_across_hosts(x, axis, hosts)  # [H, ...] of this local index
+    across = stack_across_hosts(x, axis, hosts=hosts)  # [H, ...] of this local index
     arrived = []  # at shift d: from local (l - d) % L
     for d in range(per_host):
         arrived.append(shift(across, axis, local_shift(hosts, per_host, d)))
@@ -122,16 +123,30 @@ def reduce_scatter(rows, axis: str, *, hosts: int):
       axis: a manual mesh axis of `n = hosts * per_host` devices, host-major.
       hosts: the hosts the axis spans (dividing `n`).
     """
-    per_host, host, local = _split(axis, hosts)
+    per_host, _, local = _split(axis, hosts)
     by_device = rows.reshape(hosts, per_host, *rows.shape[1:])
     partial = None  # [H, ...]: this host's rows for every host's device of this local index
     for d in range(per_host):
         out = jnp.take(by_device, (local + d) % per_host, axis=1)
         got = shift(out, axis, local_shift(hosts, per_host, d))
         partial = got if partial is None else partial + got
+    return sum_across_hosts(partial, axis, hosts=hosts)
+
+
+def sum_across_hosts(rows, axis: str, *, hosts: int):
+    """The sum over the devices of this local index on every host of their row for this
+    device's host: `rows [hosts, ...]` (row `g` for the device on host `g`) → `[...]`, each row
+    sent to its host in one message (`stack_across_hosts`' transpose).
+
+    Args:
+      rows: this device's contributions, one row per host.
+      axis: a manual mesh axis of `hosts * per_host` devices, host-major.
+      hosts: the hosts the axis spans (dividing its size).
+    """
+    per_host, host, _ = _split(axis, hosts)
     total = None
     for e in range(hosts):
-        got = shift(jnp.take(partial, (host + e) % hosts, axis=0), axis,
+        got = shift(jnp.take(rows, (host + e) % hosts, axis=0), axis,
                     host_shift(hosts, per_host, e))
         total = got if total is None else total + got
     return total
