@@ -66,9 +66,12 @@ def exchange(x, routing: Routing, experts: ExpertParams, *, groups: int, opts: G
     if strategy == "data":
         return _on_buffer(x, routing, groups, opts, lambda buf: expert_ffn(
             buf, experts, activation=opts.activation)), strategy
-    inside = functools.partial(through_owners, experts=experts, opts=opts, ep=ep,
-                               move=functools.partial(within_host_all_to_all, axis=expert_axis,
-                                                      hosts=hosts))
+
+    def owners(all_to_all, spans: int):  # the FFN on its owners, `all_to_all` over `spans` hosts
+        move = functools.partial(all_to_all, axis=expert_axis, hosts=spans)
+        return functools.partial(through_owners, experts=experts, opts=opts, ep=ep, move=move)
+
+    inside = owners(within_host_all_to_all, hosts)
     if strategy == "expert" and hierarchical and sends_tokens(
             token_bytes=token_bytes, buffer_bytes=buffer_bytes, hosts=hosts):
         return exchange_tokens(x, routing, inside, groups=groups, num_experts=num_experts,
@@ -77,10 +80,8 @@ def exchange(x, routing: Routing, experts: ExpertParams, *, groups: int, opts: G
         per_host = ep // hosts
         return _on_buffer(x, routing, groups, opts, lambda buf: swap_expert_blocks(
             inside(swap_expert_blocks(buf, hosts, per_host)), per_host, hosts)), strategy
-    move = functools.partial(hierarchical_all_to_all, axis=expert_axis,
-                             hosts=hosts if hierarchical else 1)
-    return _on_buffer(x, routing, groups, opts, functools.partial(
-        through_owners, experts=experts, opts=opts, ep=ep, move=move)), strategy
+    return _on_buffer(x, routing, groups, opts, owners(
+        hierarchical_all_to_all, hosts if hierarchical else 1)), strategy
 
 
 def _on_buffer(x, routing: Routing, groups: int, opts: GatingOptions, ffn):

@@ -82,8 +82,8 @@ def strategy_seconds(strategy: str, *, buffer_bytes: int, weight_bytes: int, ep:
       weight_bytes: one device's stored experts (`E / ep` of them).
       ep: devices on the expert axis; hosts: the hosts it spans (dividing `ep`).
       hierarchical: `expert`'s all-to-all runs in two stages (`hierarchical_all_to_all`).
-      token_bytes: one device's tokens `[N, M]` and their routing: with `hierarchical`, what goes across hosts
-        instead of the slots where it is fewer bytes (`jaxspeed.moe.host_tokens`).
+      token_bytes: one device's tokens `[N, M]` and their routing: with `hierarchical`, what
+        goes across hosts instead of the slots where it is fewer (`jaxspeed.moe.host_tokens`).
       cluster: the cluster's links (`links_of`); None: `UNIFORM`.
     """
     from jaxspeed.autoplan.comm import collective_time  # the planner's link model
