@@ -70,6 +70,20 @@ def test_the_token_exchange_equals_one_device(axes, hosts, extra, capacity_facto
     assert not [op for op in collectives(hlo, num_devices=8) if op.kind == "all-to-all"]
 
 
+def test_chunks_that_overlap_the_ffn_keep_the_slots(monkeypatch):
+    """Where collectives run beside compute (XLA:GPU, stubbed here) and the slots go out in
+    chunks, the slots cross, a chunk at a time (each chunk's exchange overlaps another's FFN;
+    the tokens would cross in one piece first); the same result."""
+    monkeypatch.setattr(exchange_module, "collectives_overlap", lambda: True)
+    options = dict(EP, capacity_factor=2.0)
+    out, ref, hlo = _on_mesh_and_one_device(options, {"expert": 8}, all_to_all="hierarchical",
+                                            a2a_hosts=2, a2a_chunks=2)
+    assert_close(out, ref, rtol=RTOL)
+    capacity = -(-int(K * 2.0 * TOKENS) // EP["num_experts"])
+    chunk_for_a_host = EP["num_experts"] // 2 * capacity // 2 * M * 4
+    assert set(_cross_host_permute_bytes(hlo, _host_of({"expert": 8}, 2))) == {chunk_for_a_host}
+
+
 def _exchange(dtype, *, tokens_form: bool, monkeypatch):
     """`exchange` on 8 devices as 2 hosts (top-2 of 8 experts, capacity factor 2), in `dtype`:
     `(y, d x, d experts, d combine weights)` and the compiled HLO."""

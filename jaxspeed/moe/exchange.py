@@ -43,8 +43,9 @@ def exchange(x, routing: Routing, experts: ExpertParams, *, groups: int, opts: G
     `expert`'s exchange is flat or, with `opts.all_to_all="hierarchical"`, inside each of the
     `opts.a2a_hosts` hosts first and then across them: the capacity buffer's slots
     (`hierarchical_all_to_all`), or the tokens themselves where they are fewer bytes
-    (`jaxspeed.moe.host_tokens`). With `opts.a2a_chunks` > 1 the slots go out in that many
-    chunks (`through_owners`).
+    (`jaxspeed.moe.host_tokens`), unless collectives overlap compute and the slots go out in
+    chunks. With `opts.a2a_chunks` > 1 the slots go out in that many chunks
+    (`through_owners`; the tokens' exchange chunks its stage inside the host).
     """
     num_experts, capacity, width = opts.num_experts, routing.capacity, x.shape[1]
     if ep == 1:
@@ -53,8 +54,13 @@ def exchange(x, routing: Routing, experts: ExpertParams, *, groups: int, opts: G
     hosts, hierarchical = opts.a2a_hosts or 1, opts.all_to_all == "hierarchical"
     itemsize = x.dtype.itemsize
     buffer_bytes = num_experts * groups * capacity * width * itemsize
-    # the tokens with their routing: each choice's fp32 weight and int32 slot
-    token_bytes = x.size * itemsize + routing.weight.size * 8 if hierarchical else None
+    # The tokens with their routing (each choice's fp32 weight and int32 slot) may cross
+    # instead of the slots, unless the slots go out in chunks whose exchanges overlap the FFN:
+    # the tokens cross in one piece before it.
+    chunked = collectives_overlap() and a2a_chunk_count(
+        opts.a2a_chunks, groups * capacity, num_experts * width * itemsize, ep) > 1
+    token_bytes = (x.size * itemsize + routing.weight.size * 8
+                   if hierarchical and not chunked else None)
     strategy = choose(
         opts.parallelism, buffer_bytes=buffer_bytes, token_bytes=token_bytes,
         weight_bytes=sum(w.size * w.dtype.itemsize for w in experts if w is not None),
@@ -72,7 +78,7 @@ def exchange(x, routing: Routing, experts: ExpertParams, *, groups: int, opts: G
         return functools.partial(through_owners, experts=experts, opts=opts, ep=ep, move=move)
 
     inside = owners(within_host_all_to_all, hosts)
-    if strategy == "expert" and hierarchical and sends_tokens(
+    if strategy == "expert" and token_bytes is not None and sends_tokens(
             token_bytes=token_bytes, buffer_bytes=buffer_bytes, hosts=hosts):
         return exchange_tokens(x, routing, inside, groups=groups, num_experts=num_experts,
                                axis=expert_axis, hosts=hosts, impl=opts.impl), strategy

@@ -19,7 +19,9 @@ smaller (`sends_tokens`) the tokens go across themselves, once, with their routi
 
 So each pair of hosts' link carries `N` rows a device each way instead of `E_h * G_l * C`, in
 the same messages (and one of the slots' int32 indices forward). Gradients run the same stages
-backwards. The result is the flat exchange's, up to the order in which the combine adds a
+backwards. The tokens cross in one piece, before any FFN: where collectives overlap compute and
+the slots go out in chunks (`a2a_chunks`), the exchange sends the slots, chunk by chunk
+(`jaxspeed.moe.exchange`). The result is the flat exchange's, up to the order in which the combine adds a
 token's choices.
 """
 
