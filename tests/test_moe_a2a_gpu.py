@@ -39,13 +39,13 @@ def matmuls_inside_exchanges(hlo: str) -> tuple[int, int]:
     return starts, inside
 
 
-def _compile(chunks: int) -> str:
+def _compile(chunks: int, **options) -> str:
     from jaxspeed.gpu import deviceless
 
     devices = deviceless.devices("h100", 8)
     mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,), devices=devices)
-    module = MoE(num_experts=8, d_ff=1024, k=2, capacity_factor=1.0, use_rts=False,
-                 a2a_chunks=chunks)
+    module = MoE(**{**dict(num_experts=8, d_ff=1024, k=2, capacity_factor=1.0, use_rts=False,
+                           a2a_chunks=chunks), **options})
     tokens = jnp.zeros((TOKENS, WIDTH), jnp.bfloat16)
     boxed = jax.eval_shape(lambda: module.init({"params": jax.random.key(0)}, tokens,
                                                deterministic=True))
@@ -73,3 +73,17 @@ def test_chunked_exchanges_overlap_the_expert_matmuls(chunks):
     chunked_starts, chunked_inside = matmuls_inside_exchanges(_compile(chunks))
     assert chunked_starts > starts  # ... more of them chunked ...
     assert chunked_inside > inside + chunks  # ... with other chunks' matmuls inside them
+
+
+_INT_PERMUTE = re.compile(r"collective-permute(?:-start)?\(s32\[")
+
+
+@needs_gpu_compile
+def test_the_token_exchange_lowers_for_gpus_and_chunks_keep_the_slots():
+    """The hierarchical exchange over 2 emulated hosts of 4 H100s (top-2 at eval capacity
+    factor 1.25: a device's tokens are fewer bytes than its slots for the other host): unchunked,
+    the tokens cross with their int32 slots, dispatched on the other side by the GPU kernels;
+    in 2 chunks, which XLA:GPU overlaps with the FFN, the slots cross and no int32 does."""
+    options = dict(all_to_all="hierarchical", a2a_hosts=2, eval_capacity_factor=1.25)
+    assert _INT_PERMUTE.search(_compile(1, **options))
+    assert not _INT_PERMUTE.search(_compile(2, **options))

@@ -21,8 +21,8 @@ So each pair of hosts' link carries `N` rows a device each way instead of `E_h *
 the same messages (and one of the slots' int32 indices forward). Gradients run the same stages
 backwards. The tokens cross in one piece, before any FFN: where collectives overlap compute and
 the slots go out in chunks (`a2a_chunks`), the exchange sends the slots, chunk by chunk
-(`jaxspeed.moe.exchange`). The result is the flat exchange's, up to the order in which the combine adds a
-token's choices.
+(`jaxspeed.moe.exchange`). The result is the flat exchange's, up to the order in which the
+combine adds a token's choices.
 """
 
 from __future__ import annotations
