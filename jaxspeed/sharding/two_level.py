@@ -13,8 +13,9 @@ stages, a device sends only its own shard across (`hosts - 1` times):
   for every host's device of its local index), then across hosts (the partial sums meet).
 
 Each exchange is a `ppermute` of one message per device; inside `shard_map` manual over the
-axis. The MoE layer's hierarchical all-to-all and its `expert_data` strategy
-(`jaxspeed.moe.all_to_all`) use the same shifts.
+axis. The MoE layer's hierarchical all-to-all, its `expert_data` strategy
+(`jaxspeed.moe.all_to_all`) and its token exchange (`jaxspeed.moe.host_tokens`) use the same
+shifts.
 """
 
 from __future__ import annotations
