@@ -27,12 +27,11 @@ combine adds a token's choices.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jaxspeed.moe.dispatch import combine, dispatch, flat_slots
 from jaxspeed.moe.gating import Routing
-from jaxspeed.sharding.two_level import stack_across_hosts, sum_across_hosts
+from jaxspeed.sharding.two_level import host_coordinates, stack_across_hosts, sum_across_hosts
 
 
 def sends_tokens(*, token_bytes: int, buffer_bytes: int, hosts: int) -> bool:
@@ -72,7 +71,7 @@ def exchange_tokens(x, routing: Routing, through_owners, *, groups: int, num_exp
     slots = stack_across_hosts(slot, axis, hosts=hosts)  # [H, N, k] from each host
 
     # The choices of this host's experts, as virtual experts (s * G_l + g) * E_h + e - h * E_h.
-    host = jax.lax.axis_index(axis) // (jax.lax.axis_size(axis) // hosts)  # this device's
+    _, host, _ = host_coordinates(axis, hosts)  # this device's host
     virtual, position = slots // capacity, slots % capacity
     group, expert = virtual // num_experts, virtual % num_experts - host * host_experts
     here = (slots >= 0) & (expert >= 0) & (expert < host_experts)
@@ -92,4 +91,3 @@ def exchange_tokens(x, routing: Routing, through_owners, *, groups: int, num_exp
     partial = combine(out.reshape(hosts * groups * host_experts, capacity, width), local,
                       impl=impl)
     return sum_across_hosts(partial.reshape(hosts, tokens, width), axis, hosts=hosts)
-

@@ -63,8 +63,9 @@ def shift(x, axis: str, pairs: list[tuple[int, int]]):
     return x if all(a == b for a, b in pairs) else jax.lax.ppermute(x, axis, pairs)
 
 
-def _split(axis: str, hosts: int):
-    """(per_host, this device's host, its local index)."""
+def host_coordinates(axis: str, hosts: int):
+    """`(per_host, this device's host, its local index)` on a manual mesh axis of
+    `hosts * per_host` devices, host-major."""
     per_host = jax.lax.axis_size(axis) // hosts
     me = jax.lax.axis_index(axis)
     return per_host, me // per_host, me % per_host
@@ -89,7 +90,7 @@ def gather_across_hosts(x, axis: str, *, hosts: int):
 def stack_across_hosts(x, axis: str, *, hosts: int):
     """`[hosts, *x.shape]`: `x` of this local index's device on every host, in host order
     (its transpose is `sum_across_hosts`)."""
-    per_host, host, _ = _split(axis, hosts)
+    per_host, host, _ = host_coordinates(axis, hosts)
     arrived = []  # at shift e: from host (h - e) % H
     for e in range(hosts):
         arrived.append(shift(x, axis, host_shift(hosts, per_host, e)))
@@ -105,7 +106,7 @@ def all_gather(x, axis: str, *, hosts: int):
       axis: a manual mesh axis of `n = hosts * per_host` devices, host-major.
       hosts: the hosts the axis spans (dividing `n`).
     """
-    per_host, _, local = _split(axis, hosts)
+    per_host, _, local = host_coordinates(axis, hosts)
     across = stack_across_hosts(x, axis, hosts=hosts)  # [H, ...] of this local index
     arrived = []  # at shift d: from local (l - d) % L
     for d in range(per_host):
@@ -124,7 +125,7 @@ def reduce_scatter(rows, axis: str, *, hosts: int):
       axis: a manual mesh axis of `n = hosts * per_host` devices, host-major.
       hosts: the hosts the axis spans (dividing `n`).
     """
-    per_host, _, local = _split(axis, hosts)
+    per_host, _, local = host_coordinates(axis, hosts)
     by_device = rows.reshape(hosts, per_host, *rows.shape[1:])
     partial = None  # [H, ...]: this host's rows for every host's device of this local index
     for d in range(per_host):
@@ -144,7 +145,7 @@ def sum_across_hosts(rows, axis: str, *, hosts: int):
       axis: a manual mesh axis of `hosts * per_host` devices, host-major.
       hosts: the hosts the axis spans (dividing its size).
     """
-    per_host, host, _ = _split(axis, hosts)
+    per_host, host, _ = host_coordinates(axis, hosts)
     total = None
     for e in range(hosts):
         got = shift(jnp.take(rows, (host + e) % hosts, axis=0), axis,
