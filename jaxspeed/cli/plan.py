@@ -9,6 +9,7 @@ platform choice `main` applies before JAX starts when a GPU is compiled for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 from jaxspeed.cli.parser import load_config_args
@@ -74,10 +75,9 @@ def plan_command(args) -> int:
         from jaxspeed.autoplan.cluster import load_cluster
 
         cluster = load_cluster(args.cluster)
+    devices = None
     if target is not None or cluster is not None:
         import jax
-
-        from jaxspeed.runtime.mesh import make_mesh
 
         devices = jax.devices()
         if target is not None:
@@ -86,9 +86,13 @@ def plan_command(args) -> int:
             name, count, cluster = target
             devices = deviceless.devices(name, count)
         config = _hosts_of(config, cluster, len(devices))
-        mesh = make_mesh(config.mesh, devices=devices)
-    engine = initialize(config, mesh=mesh)
-    report = {**engine.memory_report(), "profile": engine.profile()}
+    with _cluster_processes(config, cluster, devices):
+        if devices is not None:
+            from jaxspeed.runtime.mesh import make_mesh
+
+            mesh = make_mesh(config.mesh, devices=devices)
+        engine = initialize(config, mesh=mesh)
+        report = {**engine.memory_report(), "profile": engine.profile()}
     if cluster is not None:
         from jaxspeed.autoplan.predict import predict
 
@@ -129,6 +133,23 @@ def _hosts_of(config, cluster, devices: int):
     if data % cluster.hosts or devices != cluster.devices:
         return config
     return load_config(config, overrides=[f"mesh.hosts={cluster.hosts}"])
+
+
+def _cluster_processes(config, cluster, devices):
+    """Where `cluster`'s hosts split another axis than `data` (`_hosts_of` gave the mesh no
+    `host` axis: the slow link's `mesh.expert=4, mesh.data=1`), a context in which this
+    process's `devices` stand for the cluster's processes, one a host, so the step compiles as
+    each of them compiles it: its collectives over the hosts in two stages, and the profile's
+    "across hosts" counting them. Else a context that does nothing."""
+    import jax
+
+    from jaxspeed.runtime.distributed import emulated_processes
+
+    if (devices is None or cluster is None or cluster.hosts < 2
+            or config.mesh.hosts not in ("auto", 1)
+            or jax.process_count() > 1 or len(devices) != cluster.devices):
+        return contextlib.nullcontext()
+    return emulated_processes(cluster.hosts, devices)
 
 
 def _auto_plan(args) -> int:

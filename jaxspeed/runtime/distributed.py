@@ -9,8 +9,10 @@ environment variables; `initialize()` reads them, and without them lets
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 
@@ -117,9 +119,46 @@ def initialize(
         ) from err
 
 
+#: device → the process it stands for, inside `emulated_processes`
+_EMULATED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("emulated", default=None)
+
+
+@contextlib.contextmanager
+def emulated_processes(count: int, devices: Sequence) -> Iterator[None]:
+    """Inside, `devices` count as split over `count` processes: contiguous blocks in device-id
+    order, as `jax.distributed` numbers the devices of `count` processes with as many each.
+
+    `plan --cluster` compiles a cluster's step on one process. Where the cluster's hosts split
+    `data`, `mesh.hosts` gives the mesh a `host` axis; where they split another axis (the slow
+    link's `mesh.expert=4, mesh.data=1`), a real run knows its hosts only from its devices'
+    processes, and so, inside this, does the compiled step (`process_of`, `process_total`).
+    """
+    ordered = sorted(devices, key=lambda d: d.id)
+    if count < 1 or len(ordered) % count:
+        raise ConfigError(f"{len(ordered)} devices do not split into {count} processes")
+    per = len(ordered) // count
+    token = _EMULATED.set({d: i // per for i, d in enumerate(ordered)})
+    try:
+        yield
+    finally:
+        _EMULATED.reset(token)
+
+
+def process_of(device) -> int:
+    """The process `device` belongs to (the emulated one inside `emulated_processes`)."""
+    emulated = _EMULATED.get()
+    return device.process_index if emulated is None else emulated.get(device, device.process_index)
+
+
+def process_total() -> int:
+    """`jax.process_count()`, or the emulated count inside `emulated_processes`."""
+    emulated = _EMULATED.get()
+    return jax.process_count() if emulated is None else max(emulated.values()) + 1
+
+
 def process_count(devices) -> int:
     """The processes `devices` belong to."""
-    return len({d.process_index for d in devices})
+    return len({process_of(d) for d in devices})
 
 
 def over_gloo(devices) -> bool:

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxspeed.errors import ConfigError
+from jaxspeed.runtime.distributed import process_count, process_of
 
 HOST = "host"
 PIPE = "pipe"
@@ -129,7 +130,7 @@ def config_axis_sizes(
 
 def host_major(devices: Sequence[jax.Device]) -> list[jax.Device]:
     """`devices` grouped by process (stable), so the `host` axis index is the process index."""
-    return sorted(devices, key=lambda d: d.process_index)
+    return sorted(devices, key=process_of)
 
 
 def make_mesh(mesh_config=None, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -155,7 +156,7 @@ def make_mesh(mesh_config=None, *, devices: Sequence[jax.Device] | None = None) 
     if HOST in sizes and "hosts" not in sizes:  # mesh axis sizes, e.g. from `mesh.shape`
         resolved = resolve_axis_sizes(sizes, len(devices))
     else:
-        processes = len({d.process_index for d in devices})
+        processes = process_count(devices)
         resolved = config_axis_sizes(sizes, len(devices), processes)
     shape = tuple(resolved[axis] for axis in AXES)
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
@@ -175,8 +176,8 @@ def host_of_devices(mesh: Mesh) -> list[int]:
     """The `host` coordinate of each device, in the mesh's flat order (a program's partition
     ids, for a step jitted over this mesh); without a `host` axis, each device's process (an
     expert axis across processes crosses hosts)."""
-    if HOST not in mesh.axis_names:
-        return [int(d.process_index) for d in mesh.devices.flat]
+    if mesh.shape.get(HOST, 1) == 1:
+        return [process_of(d) for d in mesh.devices.flat]
     return np.indices(mesh.devices.shape)[mesh.axis_names.index(HOST)].ravel().tolist()
 
 

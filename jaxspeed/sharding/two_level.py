@@ -25,6 +25,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxspeed.runtime.distributed import process_total
+
 
 def spanned_hosts(mesh, axis: str, processes: int | None = None) -> int:
     """The processes the devices along `axis` belong to, for a mesh over all devices laid out
@@ -34,11 +36,11 @@ def spanned_hosts(mesh, axis: str, processes: int | None = None) -> int:
     Args:
       mesh: a `Mesh` or `AbstractMesh`.
       processes: the processes the mesh's devices are split over (default
-        `jax.process_count()`).
+        `jax.process_count()`, or the emulated count: `runtime.distributed.process_total`).
     """
     if mesh.empty or axis not in mesh.axis_names:
         return 1
-    processes = jax.process_count() if processes is None else processes
+    processes = process_total() if processes is None else processes
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     names = list(mesh.axis_names)
     stride = math.prod(sizes[a] for a in names[names.index(axis) + 1:])
