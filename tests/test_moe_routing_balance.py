@@ -25,7 +25,7 @@ from jaxspeed.moe.gating import top_k_gating
 from jaxspeed.moe.layer import AUX_LOSS, METRICS, MoE
 from jaxspeed.runtime.mesh import make_mesh
 from jaxspeed.sharding.planner import plan_sharding
-from numerics import assert_close, program_rtol
+from numerics import assert_close, mixed_rtol, program_rtol
 
 E, M, H = 8, 12, 16
 X = np.random.default_rng(1).normal(size=(8, 8, M)).astype(np.float32)  # 64 tokens
@@ -331,3 +331,18 @@ def test_hierarchical_exchange_options_are_checked():
             ConfigError, match="a2a_hosts=3 must divide the size 8 of the mesh axis 'expert'"):
         module.init({"params": jax.random.key(0), "gating": jax.random.key(1)},
                     jax.device_put(X, NamedSharding(make_mesh({"expert": 8}), P("expert"))))
+
+
+def test_a_bf16_layer_on_the_mesh_equals_one_device():
+    """bf16 experts replicated over `data` (data=2 x expert=4): their gradients are summed over
+    the devices in fp32 (XLA:CPU aborted the process compiling the bf16 all-reduce that JAX
+    makes of it) and equal the single-device layer's within bf16 rounding."""
+    out, ref, hlo = _on_mesh_and_one_device(dict(EP, dtype=jnp.bfloat16), {"data": 2, "expert": 4})
+    ((_, (y, metrics)), grads), ((_, (ref_y, ref_metrics)), ref_grads) = out, ref
+    chex.assert_trees_all_equal(metrics["expert_counts"], ref_metrics["expert_counts"])
+    assert y.dtype == jnp.float32 and grads[0]["expert_w_in"].dtype == jnp.float32
+    # per token: x and each expert's hidden and output rounded to bf16, forward and backward
+    rtol = mixed_rtol(width=64, depth=3 * 6, casts=6, dtype="bfloat16")
+    assert_close((y, grads), (ref_y, ref_grads), rtol=rtol)
+    reduced = [line for line in hlo.splitlines() if " all-reduce(" in line]
+    assert reduced and not [line for line in reduced if "= bf16[" in line]

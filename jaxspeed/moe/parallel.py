@@ -46,7 +46,7 @@ from jaxspeed.moe.expert_choice import expert_choice_gating
 from jaxspeed.moe.gating import Routing, gate_logits, top_k_gating
 from jaxspeed.moe.strategies import STRATEGIES, Links
 from jaxspeed.sharding.two_level import spanned_hosts
-from jaxspeed.sharding.vma import vary_alike
+from jaxspeed.sharding.vma import make_varying, vary_alike
 
 #: `fold_in` stream of DeepSpeed's `Jitter` (gating.py uses streams 0-2 for the rest).
 _JITTER_STREAM = 3
@@ -320,6 +320,9 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
     local_groups = groups // dp_size
 
     def body(xl, kernel, local_experts, key, bias):
+        # the weights' gradients are summed over the devices they are replicated on, in fp32
+        kernel, local_experts = jax.tree.map(lambda w: make_varying(w, axes),
+                                             (kernel, local_experts))
         offset = jax.lax.axis_index(axes) * local_groups
         return _local_moe(xl, kernel, local_experts, key, bias, opts=opts, group_offset=offset,
                           expert_axis=expert_axis if ep > 1 else None, ep=ep, sync_axes=axes)

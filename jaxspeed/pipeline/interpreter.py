@@ -32,6 +32,7 @@ from jaxspeed.pipeline.schedules import (
     IDLE,
     ExecutionPlan,
 )
+from jaxspeed.sharding.vma import make_varying, narrow_float
 
 PyTree = Any
 StageFn = Callable[[PyTree, PyTree], PyTree]
@@ -41,16 +42,12 @@ LossFn = Callable[[PyTree, PyTree, PyTree], jax.Array]
 # --- Small pytree helpers. ------------------------------------------------------------------
 
 
-def _narrow_float(a) -> bool:
-    return jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4
-
-
 def _wide_psum(a, axis: str):
     """`lax.psum`, in fp32 for 16-bit floats: more accurate, and XLA:CPU's all-reduce
     promotion pass aborts the process on a bf16 psum whose reducer carries the mesh's sharding
     annotation (jax 0.12, "Invalid binary instruction opcode copy", default optimisation
-    level)."""
-    if _narrow_float(a):
+    level; `make_varying`)."""
+    if narrow_float(a):
         return lax.psum(a.astype(jnp.float32), axis).astype(a.dtype)
     return lax.psum(a, axis)
 
@@ -58,18 +55,10 @@ def _wide_psum(a, axis: str):
 def _varying(tree: PyTree, axis: str) -> PyTree:
     """Marks every leaf as varying over `axis` (scan carries inside shard_map need it).
 
-    Under autodiff the cast transposes to a psum over `axis`; a 16-bit leaf is cast through
-    fp32 so that this psum sums in fp32 (see `_wide_psum`).
+    Under autodiff the cast transposes to a psum over `axis`, in fp32 for a 16-bit leaf
+    (`make_varying`).
     """
-
-    def cast(a):
-        if axis in jax.typeof(a).mat.varying:
-            return a
-        if _narrow_float(a):
-            return lax.pcast(a.astype(jnp.float32), axis, to="varying").astype(a.dtype)
-        return lax.pcast(a, axis, to="varying")
-
-    return jax.tree.map(cast, tree)
+    return jax.tree.map(lambda a: make_varying(a, (axis,)), tree)
 
 
 def _zeros(tree: PyTree, lead: tuple[int, ...] = ()) -> PyTree:
