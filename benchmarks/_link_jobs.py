@@ -174,12 +174,14 @@ def calibrate(link: SlowLink, *, devices: int, out: Path, port: int, timeout: fl
 def predict(config: str, overrides: list[str], *, cluster: Path, devices: int,
             timeout: float) -> tuple[float | None, str | None]:
     """`plan CONFIG --cluster FILE --json`'s `predicted.tokens_per_second` for 2 hosts x
-    `devices`, planned in one process on `2 * devices` emulated devices (`mesh.hosts=2`).
+    `devices`, planned in one process on `2 * devices` emulated devices, which `plan` places on
+    the cluster's hosts (a `host` axis split off `data`, or, where the MoE's `mesh.data=1`
+    leaves none to split, the devices standing for the two processes).
 
     Returns:
       (tokens/s, None), or (None, why there is no prediction, one line).
     """
-    sets = [f"mesh.data={2 * devices}", "mesh.hosts=2", *overrides]
+    sets = [f"mesh.data={2 * devices}", *overrides]
     cmd = [sys.executable, "-m", "jaxspeed.cli", "plan", config, "--cluster", str(cluster),
            "--json", "--cpu-devices", str(2 * devices), *[a for s in sets for a in ("--set", s)]]
     env = {**os.environ, **child_env()}

@@ -5,6 +5,8 @@ no more (every figure per device, per optimizer step):
 - **State.** Params, gradients and Adam moments in fp32 (4 + 4 + 8 bytes per parameter), split
   over `pipe` (layers) and `tensor` (everything but norms), and over the ZeRO axes (`data`,
   `sequence`, `expert`) by stage: 1 splits the moments, 2 the gradients too, 3 the params too.
+  A MoE's routed experts are split over `expert` at every stage (their owners), and ZeRO
+  splits them further over the other axes.
   Optimizer offload moves the moments to host memory; parameter offload the fp32 params too,
   leaving a compute-dtype copy on the device.
 - **Activations.** Per layer and token of a micro-batch, in the compute dtype: what the remat
@@ -12,15 +14,17 @@ no more (every figure per device, per optimizer step):
   microbatches a pipeline stage holds at once (all of them for GPipe, `pipe` for 1F1B); plus
   the fp32 logits of one micro-batch. `dots_saveable` also keeps the fp32 attention scores;
   `offload_dots` keeps the projections' outputs in host memory instead.
-- **Compute.** 6 FLOPs per parameter per token for the matmuls (8 with full remat, which runs
-  the forward twice) plus attention's 12·L·d per token and layer, divided over the devices
+- **Compute.** 6 FLOPs per parameter a token meets for the matmuls (in a MoE layer, its
+  router and `k` experts; 8 with full remat, which runs the forward twice) plus attention's
+  12·L·d per token and layer, divided over the devices
   that split the work, at the cluster's peak x its efficiency; plus each micro-step's two
   reads of the local weights, and the optimizer's update of the local shard
   (`jaxspeed.autoplan.update_cost`: XLA's bytes per parameter of that optimizer in the priced
   phase), at the memory bandwidth.
 - **Communication.** The data-parallel collectives of `jaxspeed.autoplan.traffic` (ZeRO
   stages, ZeRO++'s switches, the 1-bit optimizers' compressed exchange); per micro-step,
-  tensor parallelism's 4 all-reduces of the activations per layer (6 with full remat),
+  tensor parallelism's 4 all-reduces of the activations per layer (6 with full remat), a MoE
+  layer's 4 all-to-alls of its capacity buffer (`traffic.moe_exchange`),
   Ulysses' 8 all-to-alls per layer and the pipeline's activation hand-offs. Each collective
   is costed on the links its groups cross, by the cluster's collective algorithms
   (`jaxspeed.autoplan.comm`: `nccl` hierarchical, `gloo` flat), with `host` split off `data`
@@ -45,6 +49,7 @@ from jaxspeed.autoplan.traffic import param_counts
 from jaxspeed.autoplan.space import ON_HOST, Candidate
 from jaxspeed.autoplan.update_cost import update_seconds
 from jaxspeed.config import Config
+from jaxspeed.cost.flops import layer_matmul_params
 from jaxspeed.ops.precision import compute_dtype
 
 #: Activation bytes a layer keeps per token, in units of d_model x compute-dtype bytes, by
@@ -115,15 +120,20 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
     zero = s["data"] * s["sequence"] * s["expert"]
     counts = param_counts(config)
     layers_here = m.n_layers // pipe
-    params_here = (layers_here * (counts["layer_matmul"] / tensor + counts["layer_norm"])
-                   + counts["embed"] / tensor + counts["final_norm"])
+    dense = (layers_here * (counts["layer_matmul"] / tensor + counts["layer_norm"])
+             + counts["embed"] / tensor + counts["final_norm"])
+    experts = layers_here * counts["layer_expert"] / tensor  # the MoE layers' routed experts
+    params_here = dense + experts / s["expert"]  # each device owns E / expert of them
+    # a ZeRO shard: the dense weights over data x sequence x expert, the owned experts over
+    # data x sequence
+    sharded = (dense + experts) / zero
     p_b, g_b, o_b = 4 * params_here, 4 * params_here, 8 * params_here
     if plan.stage >= 1:
-        o_b /= zero
+        o_b = 8 * sharded
     if plan.stage >= 2:
-        g_b /= zero
+        g_b = 4 * sharded
     if plan.stage >= 3:
-        p_b /= zero
+        p_b = 4 * sharded
     dtype = compute_dtype(config)
     act = dtype.itemsize
     host, host_moved = 0.0, 0.0  # bytes in host memory; bytes copied to or from it per step
@@ -133,10 +143,10 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
         host += o_b             # shard goes there and the updated param shard comes back, in
         state -= o_b            # the compute dtype where the fp32 params stay on the host too
         back = act if "params" in on_host else 4
-        host_moved += (4 + back) * params_here / zero
+        host_moved += (4 + back) * sharded
     if "params" in on_host:  # the fp32 masters on the host; the device keeps a compute copy
         host += p_b
-        state += act * params_here / zero - p_b
+        state += act * sharded - p_b
     tokens_micro = plan.micro_batch * config.data.seq_len / seq  # per device per micro-step
     per_layer_saved = tokens_micro * act * (_SAVED[plan.remat] * m.d_model / tensor
                                             + _SAVED_FF[plan.remat] * m.d_ff / tensor)
@@ -155,7 +165,7 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
         host_moved += 2 * layers_here * offloaded * plan.accumulation
 
     tokens_step = plan.micro_batch * plan.accumulation * s["data"] * s["expert"] * config.data.seq_len
-    matmul_params = m.n_layers * counts["layer_matmul"] + m.vocab_size * m.d_model
+    matmul_params = layer_matmul_params(m) + m.vocab_size * m.d_model  # a token's (top-k)
     attention = 12 * m.n_layers * config.data.seq_len * m.d_model  # per token: QK^T and PV, x3
     total_flops = tokens_step * (_FLOPS_PER_PARAM[plan.remat] * matmul_params + attention)
     flops = total_flops / cluster.devices
@@ -163,7 +173,7 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
     # accumulation costs beyond its FLOPs
     weights = 2 * plan.accumulation * 4 * params_here / (cluster.memory_bandwidth_gbps * 1e9)
     update = 0.0 if "opt_state" in on_host else update_seconds(  # the host's is not timed
-        config, params=params_here / (zero if plan.stage >= 1 else 1), cluster=cluster,
+        config, params=sharded if plan.stage >= 1 else params_here, cluster=cluster,
         optimizer=optimizer, phase=phase)
     compute = flops / (cluster.peak_flops(dtype.name) * cluster.efficiency) + weights + update
     bubble = 0.0
@@ -195,6 +205,9 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
     micro_steps = plan.accumulation
     hidden = tokens_micro * m.d_model * act
     recompute = 1.5 if plan.remat == "full" else 1.0
+    exchange = traffic.moe_exchange(config, plan, sizes)
+    if exchange is not None:
+        cost(exchange.kind, exchange.nbytes, exchange.axes, exchange.count)
     cost("all-reduce", hidden, ("tensor",), 4 * recompute * m.n_layers / pipe * micro_steps)
     cost("all-to-all", hidden / tensor, ("sequence",), 8 * recompute * m.n_layers * micro_steps)
     cost("collective-permute", hidden, ("pipe",), 2 * micro_steps)

@@ -38,7 +38,9 @@ to `comm`. Bytes are per device in the profiler's full-buffer convention
 
 The phase priced is the one a run of `config.steps` ends in (`phase="auto"`): a 1-bit run past
 its freeze is priced compressed, averaged over the steps from the freeze to the end.
-Tensor, sequence and pipeline traffic is in `jaxspeed.autoplan.estimate`.
+A MoE's routed experts are split over `expert` (their owners) and move over the other batch
+axes only; its token exchange is `moe_exchange`. Tensor, sequence, pipeline and the MoE
+exchange's traffic is priced in `jaxspeed.autoplan.estimate`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+from jaxspeed.moe.gating import compute_capacity
 from jaxspeed.ops.precision import compute_dtype
 from jaxspeed.ops.quantize import num_blocks
 from jaxspeed.runtime.mesh import AXES, DATA, EXPERT, HOST, SEQUENCE
@@ -148,17 +151,30 @@ def exchange_fractions(config: Any, optimizer: str, phase: str = "auto") -> tupl
     return (0.0, 1.0) if compressed else (1.0, 0.0)
 
 
-def param_counts(config: Any) -> dict[str, int]:
-    """Parameters of the GPT by where they live: per layer (matmuls, norms) and outside."""
+def param_counts(config: Any) -> dict[str, float]:
+    """Parameters of the GPT by where they live: per layer (matmuls, norms) and outside.
+
+    With MoE, `layer_expert` is the routed experts' weights per layer, averaged over the layers
+    (split over the `expert` axis, as their owners hold them); `layer_matmul` is the rest (the
+    attention, the dense FFNs, the routers and shared or residual experts), averaged likewise.
+    """
     m = config.model
     d, heads = m.d_model, m.n_heads
     head_dim, kv = d // heads, m.n_kv_heads or heads
     attention = d * heads * head_dim * 2 + 2 * d * kv * head_dim
     mlp = (3 if m.mlp == "swiglu" else 2) * d * m.d_ff
+    experts = 0.0
     if m.moe:
-        mlp *= m.moe.num_experts // m.moe.every_n_layers
+        moe, n_moe = m.moe, m.n_layers // m.moe.every_n_layers
+        expert = (3 if (moe.activation or m.mlp) == "swiglu" else 2) * d * (moe.d_ff or m.d_ff)
+        beside = d * moe.num_experts + moe.num_shared_experts * expert  # router, shared experts
+        if moe.use_residual:
+            beside += expert + 2 * d
+        mlp = ((m.n_layers - n_moe) * mlp + n_moe * beside) / m.n_layers
+        experts = n_moe * moe.num_experts * expert / m.n_layers
     embed = m.vocab_size * d * (1 if m.tie_embeddings else 2)
-    return {"layer_matmul": attention + mlp, "layer_norm": 2 * d, "embed": embed, "final_norm": d}
+    return {"layer_matmul": attention + mlp, "layer_expert": experts, "layer_norm": 2 * d,
+            "embed": embed, "final_norm": d}
 
 
 def step_transfers(
@@ -180,10 +196,13 @@ def step_transfers(
     layers = m.n_layers // sizes["pipe"]
     layered_params = layers * (counts["layer_matmul"] / sizes["tensor"] + counts["layer_norm"])
     other_params = counts["embed"] / sizes["tensor"] + counts["final_norm"]
+    # the experts a device owns: replicated (and ZeRO-split) over the batch axes but `expert`
+    experts = layers * counts["layer_expert"] / sizes["tensor"] / sizes[EXPERT]
     params = layered_params + other_params
     leaves = layers * LAYER_LEAVES + OTHER_LEAVES
     batch_axes = tuple(a for a in (HOST, DATA, EXPERT) if sizes[a] > 1)
     zero_axes = tuple(a for a in (DATA, HOST, SEQUENCE, EXPERT) if sizes[a] > 1)
+    beside = lambda axes: tuple(a for a in axes if a != EXPERT)  # noqa: E731 (the experts')
     out: list[Transfer] = []
 
     def add(name, kind, nbytes, axes, count):
@@ -194,6 +213,10 @@ def step_transfers(
     if stage == 3:
         out += _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
                       gloo=gloo)
+        if experts:
+            out += [t._replace(name=t.name.replace("zero3.", "zero3.experts."))
+                    for t in _zero3(config, plan, sizes, beside(zero_axes), experts, 0.0,
+                                    layers, gloo=gloo)]
         return out
     # XLA reduces a scanned stack's gradients layer by layer inside the backward loop, and
     # the rest in one combined collective
@@ -203,15 +226,41 @@ def step_transfers(
                            ("all-gather", "zero.param_all_gather")):
             add(f"{name}.layers", kind, 4 * per_layer, zero_axes, layers)
             add(f"{name}.other", kind, 4 * other_params, zero_axes, 1)
+            add(f"{name}.experts", kind, 4 * experts / max(1, layers), beside(zero_axes), layers)
         return out
     full, onebit = exchange_fractions(config, optimizer or config.optimizer.type, phase)
     add("grad_all_reduce.layers", "all-reduce", 4 * per_layer, batch_axes, full * layers)
     add("grad_all_reduce.other", "all-reduce", 4 * other_params, batch_axes, full)
+    add("grad_all_reduce.experts", "all-reduce", 4 * experts / max(1, layers),
+        beside(batch_axes), full * layers)
     workers = math.prod(sizes[a] for a in batch_axes)
     onebit_b = onebit_bytes(params, workers, leaves)
     add("onebit.all_to_all", "all-to-all", onebit_b, batch_axes, onebit)
     add("onebit.all_gather", "all-gather", onebit_b, batch_axes, onebit)
     return out
+
+
+def moe_exchange(config: Any, plan: Any, sizes: dict[str, int]) -> Transfer | None:
+    """The MoE layers' token exchange of one step over the `expert` axis: GShard's four
+    all-to-alls of a layer's capacity buffer `[E, C, M]` per micro-step (dispatch and combine,
+    forward and backward), one group of tokens a device; None without one. Priced as the flat
+    exchange whatever `all_to_all` and `parallelism` say (the layer's own `auto` prices those:
+    `jaxspeed.moe.strategies`).
+
+    Args:
+      sizes: mesh axis sizes (`mesh_sizes`).
+    """
+    m = config.model
+    if not m.moe or sizes[EXPERT] == 1:
+        return None
+    moe = m.moe
+    tokens = plan.micro_batch * config.data.seq_len // sizes[SEQUENCE]
+    slots = compute_capacity(tokens, moe.num_experts, k=moe.k, capacity_factor=moe.capacity_factor,
+                             min_capacity=moe.min_capacity) if moe.drop_tokens else tokens
+    buffer = moe.num_experts * slots * m.d_model * compute_dtype(config).itemsize
+    layers = m.n_layers // moe.every_n_layers // sizes["pipe"]
+    return Transfer("moe.all_to_all", "all-to-all", float(buffer), (EXPERT,),
+                    float(4 * layers * plan.accumulation))
 
 
 def _quantized(name: str, kind: str, elements: float, bits: int, block: int,

@@ -206,7 +206,7 @@ def _ffn_matmul_params(d_model: int, d_ff: int, activation: str) -> int:
     return (3 if activation == "swiglu" else 2) * d_model * d_ff
 
 
-def _layer_matmul_params(model: Any) -> int:
+def layer_matmul_params(model: Any) -> int:
     """Weights one token meets in all the transformer layers (a MoE layer: its router and the
     `k` experts it picks, plus its shared and residual FFNs)."""
     d, heads = model.d_model, model.n_heads
@@ -250,7 +250,7 @@ def model_train_flops(model: Any | None, *, tokens: int, seq_len: int, param_cou
     """
     if model is None:
         return 6.0 * param_count * tokens
-    n = _layer_matmul_params(model) + model.d_model * model.vocab_size
+    n = layer_matmul_params(model) + model.d_model * model.vocab_size
     window = getattr(model, "sliding_window", None)
     if window is None or window >= seq_len:
         keys = seq_len / 2
