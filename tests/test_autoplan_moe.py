@@ -1,15 +1,16 @@
 """The planner's model of a MoE GPT: the routed experts are their owners' (split over `expert`,
-moved over the other batch axes only), a token meets `k` of them, and the layers' token
-exchange is four all-to-alls of the capacity buffer per micro-step, as many bytes as the
-compiled step's."""
+moved over the other batch axes only), a token meets `k` of them, and what crosses the expert
+axis is what the layer's strategy moves (the flat exchange: as many bytes as the compiled
+step's), priced on the hosts the axis spans as `parallelism: auto` prices it."""
 
 import json
 
 import pytest
 
 from jaxspeed.autoplan import traffic
-from jaxspeed.autoplan.cluster import load_cluster
+from jaxspeed.autoplan.cluster import Cluster, load_cluster, save_cluster
 from jaxspeed.autoplan.estimate import estimate
+from jaxspeed.autoplan.moe_exchange import exchange
 from jaxspeed.autoplan.space import from_config
 from jaxspeed.cli import main
 from jaxspeed.config import load_config
@@ -19,6 +20,16 @@ SMALL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.d_ff=
          "model.moe.d_ff=32", "model.max_seq_len=32", "data.seq_len=32",
          "train_micro_batch_size_per_device=2"]
 D, E, H = 32, 8, 32  # d_model, experts, expert d_ff (gelu: 2 matrices)
+
+
+def _slow_cluster(tmp_path):
+    cluster = Cluster(
+        name="two_hosts", hosts=2, devices_per_host=4, device_memory="8GiB",
+        peak_tflops={"bf16": 1.0, "fp32": 1.0}, memory_bandwidth_gbps=10.0,
+        intra_host={"bandwidth_gbps": 10.0, "latency_us": 10.0},
+        inter_host={"bandwidth_gbps": 0.01, "latency_us": 800.0},
+        host_link={"bandwidth_gbps": 5.0}, host_memory="16GiB", collectives="gloo")
+    return save_cluster(cluster, tmp_path / "two_hosts.yaml")
 
 
 def _config(*overrides):
@@ -62,15 +73,45 @@ def test_state_splits_the_experts_over_their_owners_before_zero():
 
 
 def test_the_exchange_moves_what_the_compiled_step_moves(capsys):
-    """Four all-to-alls of `[E, C, M]` a MoE layer and micro-step, C = ceil(k 1.25 T / E): the
-    bytes `plan` reads from XLA's compiled step."""
+    """Flat: four all-to-alls of `[E, C, M]` a MoE layer and micro-step, C = ceil(k 1.25 T /
+    E), the bytes `plan` reads from XLA's compiled step."""
     config = _config("mesh.data=1", "mesh.expert=8")
     plan = from_config(config, {"expert": 8})
-    exchange = traffic.moe_exchange(config, plan, traffic.mesh_sizes(plan.sizes, 1))
+    sizes = traffic.mesh_sizes(plan.sizes, 1)
+    flat = exchange(config, plan, sizes, load_cluster("8xh100-nvlink"))
     capacity = -(-2 * 5 * 64 // (4 * E))  # k=2, capacity factor 1.25, 64 tokens a device
-    assert exchange.nbytes == E * capacity * D * 4 and exchange.count == 4
-    assert traffic.moe_exchange(_config("model.moe=null"), plan, {"expert": 8}) is None
+    assert flat.strategy == "expert" and flat.times == 1 and flat.mesh == {"host": 1, "expert": 8}
+    assert flat.collectives == [("all-to-all", E * capacity * D * 4, ("host", "expert"), 4)]
+    assert exchange(_config("model.moe=null"), plan, sizes, load_cluster("8xh100-nvlink")) is None
     sets = [a for s in [*SMALL, "mesh.data=1", "mesh.expert=8"] for a in ("--set", s)]
     assert main(["plan", "configs/gpt_moe.yaml", "--json", *sets]) == 0
     compiled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["profile"]
-    assert compiled["collective_bytes"]["all-to-all"] == exchange.nbytes * exchange.count
+    assert compiled["collective_bytes"]["all-to-all"] == E * capacity * D * 4 * 4
+
+
+def test_the_exchange_is_priced_by_the_layers_strategy_on_the_hosts_it_spans(tmp_path):
+    """Over a slow link between 2 hosts of 4: `auto` prices as the strategy the layer would
+    choose, the hierarchical exchange sends the tokens across (fewer bytes than the slots),
+    and moving the experts (`expert_data`) wins once the buffer outgrows them."""
+    cluster = load_cluster(_slow_cluster(tmp_path))
+
+    def priced(micro, *options):
+        config = _config("mesh.data=1", "mesh.expert=8", f"train_micro_batch_size_per_device={micro}",
+                         *options)
+        plan = from_config(config, {"expert": 8})
+        sizes = traffic.mesh_sizes(plan.sizes, 1)
+        return exchange(config, plan, sizes, cluster), estimate(config, plan, cluster)
+
+    hier, hier_est = priced(1, "model.moe.all_to_all=hierarchical")
+    assert hier.mesh == {"host": 2, "expert": 4}
+    kinds = {kind: nbytes for kind, nbytes, _, _ in hier.collectives}
+    assert kinds["collective-permute"] == 32 * D * 4 + 32 * 2 * 8  # 32 tokens + their routing
+    flat, flat_est = priced(1)
+    assert hier_est.cross_host_bytes < flat_est.cross_host_bytes
+    for micro in (1, 16):
+        auto, auto_est = priced(micro, "model.moe.parallelism=auto", "model.moe.all_to_all=hierarchical")
+        fixed = {s: priced(micro, f"model.moe.parallelism={s}", "model.moe.all_to_all=hierarchical")[1]
+                 for s in ("expert", "data", "expert_data")}
+        assert auto_est.step_s == pytest.approx(min(e.step_s for e in fixed.values()))
+        assert auto_est.step_s == pytest.approx(fixed[auto.strategy].step_s)
+    assert priced(16, "model.moe.parallelism=auto")[0].strategy == "expert_data"

@@ -23,8 +23,8 @@ no more (every figure per device, per optimizer step):
   phase), at the memory bandwidth.
 - **Communication.** The data-parallel collectives of `jaxspeed.autoplan.traffic` (ZeRO
   stages, ZeRO++'s switches, the 1-bit optimizers' compressed exchange); per micro-step,
-  tensor parallelism's 4 all-reduces of the activations per layer (6 with full remat), a MoE
-  layer's 4 all-to-alls of its capacity buffer (`traffic.moe_exchange`),
+  tensor parallelism's 4 all-reduces of the activations per layer (6 with full remat), what
+  a MoE layer's strategy moves over the expert axis (`jaxspeed.autoplan.moe_exchange`),
   Ulysses' 8 all-to-alls per layer and the pipeline's activation hand-offs. Each collective
   is costed on the links its groups cross, by the cluster's collective algorithms
   (`jaxspeed.autoplan.comm`: `nccl` hierarchical, `gloo` flat), with `host` split off `data`
@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxspeed.autoplan import comm, traffic
+from jaxspeed.autoplan import comm, moe_exchange, traffic
 from jaxspeed.autoplan.traffic import param_counts
 from jaxspeed.autoplan.space import ON_HOST, Candidate
 from jaxspeed.autoplan.update_cost import update_seconds
@@ -205,9 +205,15 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
     micro_steps = plan.accumulation
     hidden = tokens_micro * m.d_model * act
     recompute = 1.5 if plan.remat == "full" else 1.0
-    exchange = traffic.moe_exchange(config, plan, sizes)
-    if exchange is not None:
-        cost(exchange.kind, exchange.nbytes, exchange.axes, exchange.count)
+    moe = moe_exchange.exchange(config, plan, sizes, cluster)
+    for kind, nbytes, axes, count in moe.collectives if moe is not None else ():
+        per_host = moe.mesh["expert"]  # the expert axis's devices on one host
+        seconds = comm.collective_time(kind, nbytes, axes, moe.mesh, devices_per_host=per_host,
+                                       intra=cluster.intra_host, inter=cluster.inter_host,
+                                       algorithm=algorithm)
+        by_kind[kind] = by_kind.get(kind, 0.0) + seconds * count * moe.times
+        cross_host += count * moe.times * comm.host_egress_bytes(
+            kind, nbytes, comm.ordered_groups(axes, moe.mesh), per_host, algorithm)
     cost("all-reduce", hidden, ("tensor",), 4 * recompute * m.n_layers / pipe * micro_steps)
     cost("all-to-all", hidden / tensor, ("sequence",), 8 * recompute * m.n_layers * micro_steps)
     cost("collective-permute", hidden, ("pipe",), 2 * micro_steps)

@@ -39,8 +39,8 @@ to `comm`. Bytes are per device in the profiler's full-buffer convention
 The phase priced is the one a run of `config.steps` ends in (`phase="auto"`): a 1-bit run past
 its freeze is priced compressed, averaged over the steps from the freeze to the end.
 A MoE's routed experts are split over `expert` (their owners) and move over the other batch
-axes only; its token exchange is `moe_exchange`. Tensor, sequence, pipeline and the MoE
-exchange's traffic is priced in `jaxspeed.autoplan.estimate`.
+axes only. Tensor, sequence and pipeline traffic, and the MoE exchange
+(`jaxspeed.autoplan.moe_exchange`), are priced in `jaxspeed.autoplan.estimate`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from jaxspeed.moe.gating import compute_capacity
 from jaxspeed.ops.precision import compute_dtype
 from jaxspeed.ops.quantize import num_blocks
 from jaxspeed.runtime.mesh import AXES, DATA, EXPERT, HOST, SEQUENCE
@@ -238,29 +237,6 @@ def step_transfers(
     add("onebit.all_to_all", "all-to-all", onebit_b, batch_axes, onebit)
     add("onebit.all_gather", "all-gather", onebit_b, batch_axes, onebit)
     return out
-
-
-def moe_exchange(config: Any, plan: Any, sizes: dict[str, int]) -> Transfer | None:
-    """The MoE layers' token exchange of one step over the `expert` axis: GShard's four
-    all-to-alls of a layer's capacity buffer `[E, C, M]` per micro-step (dispatch and combine,
-    forward and backward), one group of tokens a device; None without one. Priced as the flat
-    exchange whatever `all_to_all` and `parallelism` say (the layer's own `auto` prices those:
-    `jaxspeed.moe.strategies`).
-
-    Args:
-      sizes: mesh axis sizes (`mesh_sizes`).
-    """
-    m = config.model
-    if not m.moe or sizes[EXPERT] == 1:
-        return None
-    moe = m.moe
-    tokens = plan.micro_batch * config.data.seq_len // sizes[SEQUENCE]
-    slots = compute_capacity(tokens, moe.num_experts, k=moe.k, capacity_factor=moe.capacity_factor,
-                             min_capacity=moe.min_capacity) if moe.drop_tokens else tokens
-    buffer = moe.num_experts * slots * m.d_model * compute_dtype(config).itemsize
-    layers = m.n_layers // moe.every_n_layers // sizes["pipe"]
-    return Transfer("moe.all_to_all", "all-to-all", float(buffer), (EXPERT,),
-                    float(4 * layers * plan.accumulation))
 
 
 def _quantized(name: str, kind: str, elements: float, bits: int, block: int,

@@ -70,11 +70,16 @@ def links_of(cluster: Any) -> Links:
     return Links(link(cluster.intra_host), link(cluster.inter_host), cluster.collectives)
 
 
-def strategy_seconds(strategy: str, *, buffer_bytes: int, weight_bytes: int, ep: int,
-                     hosts: int, hierarchical: bool = False, token_bytes: int | None = None,
-                     cluster: Links | None = None) -> float:
-    """The expert axis's communication of one MoE layer's step (forward and backward) under
-    `strategy`, by `jaxspeed.autoplan.comm`'s model on the cluster's links.
+def exchange_mesh(ep: int, hosts: int) -> dict[str, int]:
+    """The expert axis as `strategy_collectives` prices it: `hosts` x `ep / hosts` devices."""
+    return {"host": hosts, "expert": ep // hosts}
+
+
+def strategy_collectives(strategy: str, *, buffer_bytes: int, weight_bytes: int, ep: int,
+                         hosts: int, hierarchical: bool = False,
+                         token_bytes: int | None = None) -> list[tuple[str, float, tuple, int]]:
+    """What crosses the expert axis in one MoE layer's step (forward and backward) under
+    `strategy`: `(kind, bytes per device, axes of exchange_mesh(ep, hosts), count)` each.
 
     Args:
       strategy: one of `STRATEGIES`.
@@ -84,36 +89,43 @@ def strategy_seconds(strategy: str, *, buffer_bytes: int, weight_bytes: int, ep:
       hierarchical: `expert`'s all-to-all runs in two stages (`hierarchical_all_to_all`).
       token_bytes: one device's tokens `[N, M]` and their routing: with `hierarchical`, what
         goes across hosts instead of the slots where it is fewer (`jaxspeed.moe.host_tokens`).
-      cluster: the cluster's links (`links_of`); None: `UNIFORM`.
     """
-    from jaxspeed.autoplan.comm import collective_time  # the planner's link model
-
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    intra, inter, algorithm = cluster or UNIFORM
-    per_host = ep // hosts
-    mesh = {"host": hosts, "expert": per_host}
-
-    def cost(kind, nbytes, axes):
-        return collective_time(kind, nbytes, axes, mesh, devices_per_host=per_host, intra=intra,
-                               inter=inter, algorithm=algorithm)
-
     every = ("host", "expert")
     if strategy == "data":
-        return cost("all-gather", ep * weight_bytes, every) + cost(
-            "reduce-scatter", ep * weight_bytes, every)
+        return [("all-gather", ep * weight_bytes, every, 1),
+                ("reduce-scatter", ep * weight_bytes, every, 1)]
     if strategy == "expert_data":
-        return (2 * (hosts - 1) * cost("collective-permute", weight_bytes, ("host",))
-                + 4 * cost("all-to-all", buffer_bytes, ("expert",)))
+        return [("collective-permute", weight_bytes, ("host",), 2 * (hosts - 1)),
+                ("all-to-all", buffer_bytes, ("expert",), 4)]
     tokens = token_bytes is not None and sends_tokens(
         token_bytes=token_bytes, buffer_bytes=buffer_bytes, hosts=hosts)
     if hierarchical and (tokens or 1 < hosts < ep):
         across = token_bytes if tokens else buffer_bytes / hosts
-        exchange = (cost("all-to-all", buffer_bytes, ("expert",))
-                    + (hosts - 1) * cost("collective-permute", across, ("host",)))
-    else:
-        exchange = cost("all-to-all", buffer_bytes, every)
-    return 4 * exchange
+        return [("all-to-all", buffer_bytes, ("expert",), 4),
+                ("collective-permute", across, ("host",), 4 * (hosts - 1))]
+    return [("all-to-all", buffer_bytes, every, 4)]
+
+
+def strategy_seconds(strategy: str, *, cluster: Links | None = None, **sizes) -> float:
+    """The expert axis's communication of one MoE layer's step (forward and backward) under
+    `strategy` (`strategy_collectives`, whose keyword arguments `sizes` are), by
+    `jaxspeed.autoplan.comm`'s model on the cluster's links (`links_of`; None: `UNIFORM`)."""
+    from jaxspeed.autoplan.comm import collective_time  # the planner's link model
+
+    intra, inter, algorithm = cluster or UNIFORM
+    mesh = exchange_mesh(sizes["ep"], sizes["hosts"])
+    return sum(count * collective_time(kind, nbytes, axes, mesh, devices_per_host=mesh["expert"],
+                                       intra=intra, inter=inter, algorithm=algorithm)
+               for kind, nbytes, axes, count in strategy_collectives(strategy, **sizes))
+
+
+def cheapest(**sizes) -> tuple[str, dict[str, float]]:
+    """The strategy `strategy_seconds` prices cheapest on `sizes` (ties go to the earlier of
+    `STRATEGIES`), and every strategy's price."""
+    prices = {s: strategy_seconds(s, **sizes) for s in STRATEGIES}
+    return min(STRATEGIES, key=prices.get), prices
 
 
 def choose(parallelism: str, **sizes) -> str:
@@ -122,8 +134,7 @@ def choose(parallelism: str, **sizes) -> str:
     traced layer and capacity."""
     if parallelism != "auto":
         return parallelism
-    prices = {s: strategy_seconds(s, **sizes) for s in STRATEGIES}
-    best = min(STRATEGIES, key=prices.get)
+    best, prices = cheapest(**sizes)
     _log.info("MoE parallelism auto: %s (priced per step: %s; capacity buffer %d B, experts "
               "%d B a device, %d devices on %d host(s))", best,
               ", ".join(f"{s} {1e3 * t:.2f} ms" for s, t in prices.items()),
