@@ -115,3 +115,27 @@ def test_the_exchange_is_priced_by_the_layers_strategy_on_the_hosts_it_spans(tmp
         assert auto_est.step_s == pytest.approx(min(e.step_s for e in fixed.values()))
         assert auto_est.step_s == pytest.approx(fixed[auto.strategy].step_s)
     assert priced(16, "model.moe.parallelism=auto")[0].strategy == "expert_data"
+
+
+def test_zero3_over_an_expert_axis_across_processes_is_priced_in_two_stages(tmp_path):
+    """No `host` axis names the hosts the expert axis spans, so the explicit step gathers and
+    reduce-scatters the dense weights across the hosts and then inside them: the hierarchical
+    algorithm's cost, less than gloo's flat ring over the 8 devices."""
+    from jaxspeed.autoplan import comm
+
+    cluster = load_cluster(_slow_cluster(tmp_path))
+    config = _config("mesh.data=1", "mesh.expert=8")
+    plan = from_config(config, {"expert": 8})
+    sizes = traffic.mesh_sizes(plan.sizes, 1)
+    gathers = [t for t in traffic.step_transfers(config, plan, gloo=True)
+               if t.kind == "all-gather"]
+    assert gathers and all(t.axes == ("expert",) for t in gathers)
+
+    def priced(algorithm):
+        return sum(t.count * comm.collective_time(
+            t.kind, t.nbytes, t.axes, sizes, devices_per_host=4, intra=cluster.intra_host,
+            inter=cluster.inter_host, algorithm=algorithm) for t in gathers)
+
+    assert estimate(config, plan, cluster).comm_by_kind["all-gather"] == pytest.approx(
+        priced("nccl"))
+    assert priced("nccl") < priced("gloo")

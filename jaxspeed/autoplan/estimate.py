@@ -186,34 +186,36 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
     algorithm = getattr(cluster, "collectives", "nccl")
     cross_host = 0.0
 
-    def cost(kind: str, nbytes: float, axes: tuple[str, ...], times: float) -> None:
+    def cost(kind: str, nbytes: float, axes: tuple[str, ...], times: float, *,
+             mesh: dict[str, int] = sizes, per_host: int = cluster.devices_per_host,
+             how: str = algorithm) -> None:
         nonlocal cross_host
-        axes = tuple(a for a in axes if sizes[a] > 1)
+        axes = tuple(a for a in axes if mesh.get(a, 1) > 1)
         if not axes or nbytes <= 0 or times <= 0:
             return
         seconds = comm.collective_time(
-            kind, nbytes, axes, sizes, devices_per_host=cluster.devices_per_host,
-            intra=cluster.intra_host, inter=cluster.inter_host, algorithm=algorithm,
+            kind, nbytes, axes, mesh, devices_per_host=per_host,
+            intra=cluster.intra_host, inter=cluster.inter_host, algorithm=how,
         )
         by_kind[kind] = by_kind.get(kind, 0.0) + seconds * times
         cross_host += times * comm.host_egress_bytes(
-            kind, nbytes, comm.ordered_groups(axes, sizes), cluster.devices_per_host, algorithm)
+            kind, nbytes, comm.ordered_groups(axes, mesh), per_host, how)
 
+    # Over gloo, the explicit ZeRO-3 step gathers and reduce-scatters over an axis that spans
+    # processes with no `host` axis naming them in two stages, across the hosts and inside
+    # them (`zero_step.two_level_axes`): the hierarchical algorithm's cost.
+    staged = algorithm == "gloo" and sizes["host"] == 1
     for t in traffic.step_transfers(config, plan, hosts=sizes["host"], optimizer=optimizer,
                                     phase=phase, gloo=algorithm == "gloo"):
-        cost(t.kind, t.nbytes, t.axes, t.count)
+        two = staged and t.name.startswith("zero3.") and comm.hosts_spanned(
+            [a for a in t.axes if sizes[a] > 1], sizes, cluster.devices_per_host)[0] > 1
+        cost(t.kind, t.nbytes, t.axes, t.count, how="nccl" if two else algorithm)
     micro_steps = plan.accumulation
     hidden = tokens_micro * m.d_model * act
     recompute = 1.5 if plan.remat == "full" else 1.0
     moe = moe_exchange.exchange(config, plan, sizes, cluster)
     for kind, nbytes, axes, count in moe.collectives if moe is not None else ():
-        per_host = moe.mesh["expert"]  # the expert axis's devices on one host
-        seconds = comm.collective_time(kind, nbytes, axes, moe.mesh, devices_per_host=per_host,
-                                       intra=cluster.intra_host, inter=cluster.inter_host,
-                                       algorithm=algorithm)
-        by_kind[kind] = by_kind.get(kind, 0.0) + seconds * count * moe.times
-        cross_host += count * moe.times * comm.host_egress_bytes(
-            kind, nbytes, comm.ordered_groups(axes, moe.mesh), per_host, algorithm)
+        cost(kind, nbytes, axes, count * moe.times, mesh=moe.mesh, per_host=moe.mesh["expert"])
     cost("all-reduce", hidden, ("tensor",), 4 * recompute * m.n_layers / pipe * micro_steps)
     cost("all-to-all", hidden / tensor, ("sequence",), 8 * recompute * m.n_layers * micro_steps)
     cost("collective-permute", hidden, ("pipe",), 2 * micro_steps)
