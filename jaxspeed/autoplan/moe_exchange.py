@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from jaxspeed.autoplan import comm
+from jaxspeed.cost.flops import expert_matmul_params
 from jaxspeed.moe.all_to_all import a2a_chunk_count
 from jaxspeed.moe.gating import compute_capacity
 from jaxspeed.moe.strategies import (
@@ -48,8 +49,8 @@ def exchange(config: Any, plan: Any, sizes: dict[str, int], cluster: Any) -> Exc
     hierarchical = moe.all_to_all == "hierarchical"
     overlap = cluster.collectives != "gloo"
     chunked = overlap and a2a_chunk_count(moe.a2a_chunks, slots, row, ep) > 1
-    expert = (3 if (moe.activation or m.mlp) == "swiglu" else 2) * m.d_model * (moe.d_ff or m.d_ff)
-    kw = dict(buffer_bytes=slots * row, weight_bytes=moe.num_experts // ep * expert * itemsize,
+    experts = moe.num_experts // ep * expert_matmul_params(m)  # a device's
+    kw = dict(buffer_bytes=slots * row, weight_bytes=experts * itemsize,
               ep=ep, hosts=hosts, hierarchical=hierarchical,
               token_bytes=(tokens * m.d_model * itemsize + tokens * moe.k * 8
                            if hierarchical and not chunked else None))

@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+from jaxspeed.cost.flops import expert_matmul_params
 from jaxspeed.ops.precision import compute_dtype
 from jaxspeed.ops.quantize import num_blocks
 from jaxspeed.runtime.mesh import AXES, DATA, EXPERT, HOST, SEQUENCE
@@ -165,7 +166,7 @@ def param_counts(config: Any) -> dict[str, float]:
     experts = 0.0
     if m.moe:
         moe, n_moe = m.moe, m.n_layers // m.moe.every_n_layers
-        expert = (3 if (moe.activation or m.mlp) == "swiglu" else 2) * d * (moe.d_ff or m.d_ff)
+        expert = expert_matmul_params(m)
         beside = d * moe.num_experts + moe.num_shared_experts * expert  # router, shared experts
         if moe.use_residual:
             beside += expert + 2 * d

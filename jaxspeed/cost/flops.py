@@ -206,6 +206,13 @@ def _ffn_matmul_params(d_model: int, d_ff: int, activation: str) -> int:
     return (3 if activation == "swiglu" else 2) * d_model * d_ff
 
 
+def expert_matmul_params(model: Any) -> int:
+    """Weights of one routed expert of `model.moe` (its `d_ff` and activation, else the
+    model's)."""
+    moe = model.moe
+    return _ffn_matmul_params(model.d_model, moe.d_ff or model.d_ff, moe.activation or model.mlp)
+
+
 def layer_matmul_params(model: Any) -> int:
     """Weights one token meets in all the transformer layers (a MoE layer: its router and the
     `k` experts it picks, plus its shared and residual FFNs)."""
@@ -216,7 +223,7 @@ def layer_matmul_params(model: Any) -> int:
     moe = getattr(model, "moe", None)
     if moe is None:
         return model.n_layers * (attention + dense_ffn)
-    expert = _ffn_matmul_params(d, moe.d_ff or model.d_ff, moe.activation or model.mlp)
+    expert = expert_matmul_params(model)
     routed = d * moe.num_experts + (moe.k + moe.num_shared_experts) * expert
     if moe.use_residual:
         routed += expert + 2 * d  # PR-MoE's dense FFN and its mixing coefficient
