@@ -8,28 +8,19 @@ import json
 import pytest
 
 from jaxspeed.autoplan import traffic
-from jaxspeed.autoplan.cluster import Cluster, load_cluster, save_cluster
+from jaxspeed.autoplan.cluster import load_cluster
 from jaxspeed.autoplan.estimate import estimate
 from jaxspeed.autoplan.moe_exchange import exchange
 from jaxspeed.autoplan.space import from_config
 from jaxspeed.cli import main
 from jaxspeed.config import load_config
 from jaxspeed.cost.flops import layer_matmul_params
+from clusters import two_hosts
 
 SMALL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
          "model.moe.d_ff=32", "model.max_seq_len=32", "data.seq_len=32",
          "train_micro_batch_size_per_device=2"]
 D, E, H = 32, 8, 32  # d_model, experts, expert d_ff (gelu: 2 matrices)
-
-
-def _slow_cluster(tmp_path):
-    cluster = Cluster(
-        name="two_hosts", hosts=2, devices_per_host=4, device_memory="8GiB",
-        peak_tflops={"bf16": 1.0, "fp32": 1.0}, memory_bandwidth_gbps=10.0,
-        intra_host={"bandwidth_gbps": 10.0, "latency_us": 10.0},
-        inter_host={"bandwidth_gbps": 0.01, "latency_us": 800.0},
-        host_link={"bandwidth_gbps": 5.0}, host_memory="16GiB", collectives="gloo")
-    return save_cluster(cluster, tmp_path / "two_hosts.yaml")
 
 
 def _config(*overrides):
@@ -93,7 +84,7 @@ def test_the_exchange_is_priced_by_the_layers_strategy_on_the_hosts_it_spans(tmp
     """Over a slow link between 2 hosts of 4: `auto` prices as the strategy the layer would
     choose, the hierarchical exchange sends the tokens across (fewer bytes than the slots),
     and moving the experts (`expert_data`) wins once the buffer outgrows them."""
-    cluster = load_cluster(_slow_cluster(tmp_path))
+    cluster = load_cluster(two_hosts(tmp_path))
 
     def priced(micro, *options):
         config = _config("mesh.data=1", "mesh.expert=8", f"train_micro_batch_size_per_device={micro}",
@@ -123,7 +114,7 @@ def test_zero3_over_an_expert_axis_across_processes_is_priced_in_two_stages(tmp_
     algorithm's cost, less than gloo's flat ring over the 8 devices."""
     from jaxspeed.autoplan import comm
 
-    cluster = load_cluster(_slow_cluster(tmp_path))
+    cluster = load_cluster(two_hosts(tmp_path))
     config = _config("mesh.data=1", "mesh.expert=8")
     plan = from_config(config, {"expert": 8})
     sizes = traffic.mesh_sizes(plan.sizes, 1)

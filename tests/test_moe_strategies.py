@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.autoplan.cluster import Cluster, load_cluster, save_cluster
+from jaxspeed.autoplan.cluster import load_cluster
 from jaxspeed.cost.hlo import collectives
 from jaxspeed.errors import ConfigError
 from jaxspeed.moe.all_to_all import within_host_all_to_all
@@ -19,6 +19,7 @@ from jaxspeed.sharding.two_level import gather_across_hosts
 from jaxspeed.moe.layer import MoE
 from jaxspeed.moe.strategies import STRATEGIES, choose, links_of, strategy_seconds
 from jaxspeed.runtime.mesh import make_mesh
+from clusters import two_hosts
 from numerics import assert_close
 from test_moe_routing_balance import EP, RTOL, _on_mesh_and_one_device
 
@@ -92,19 +93,7 @@ def test_each_strategy_equals_one_device(axes, parallelism):
 
 def _links(tmp_path, inter_gbps):
     """The links of a 2-host cluster file, as the GPT's builder reads `model.moe.cluster`."""
-    return links_of(load_cluster(_cluster_file(tmp_path, inter_gbps)))
-
-
-def _cluster_file(tmp_path, inter_gbps):
-    cluster = Cluster(
-        name="two_hosts", hosts=2, devices_per_host=4, device_memory="8GiB",
-        peak_tflops={"bf16": 1.0, "fp32": 1.0}, memory_bandwidth_gbps=10.0,
-        intra_host={"bandwidth_gbps": 10.0, "latency_us": 10.0},
-        inter_host={"bandwidth_gbps": inter_gbps, "latency_us": 800.0},
-        host_link={"bandwidth_gbps": 5.0}, host_memory="16GiB", collectives="gloo")
-    path = tmp_path / f"cluster_{inter_gbps}.yaml"
-    save_cluster(cluster, path)
-    return str(path)
+    return links_of(load_cluster(two_hosts(tmp_path, inter_gbps)))
 
 
 def test_the_cost_model_moves_the_tokens_or_the_weights_by_their_bytes(tmp_path):
@@ -158,7 +147,7 @@ def test_a_config_names_a_cluster_file_the_gpt_reads(tmp_path):
     from jaxspeed.config import load_config
     from jaxspeed.models.gpt import _moe_options
 
-    path = _cluster_file(tmp_path, 0.005)
+    path = two_hosts(tmp_path, 0.005)
     cfg = load_config("configs/gpt_moe.yaml", overrides=[
         "model.moe.parallelism=auto", f"model.moe.cluster={path}"]).model
     options = _moe_options(cfg.moe, cfg)

@@ -7,13 +7,13 @@ import json
 import jax
 import pytest
 
-from jaxspeed.autoplan.cluster import Cluster, save_cluster
 from jaxspeed.cli import main
 from jaxspeed.errors import ConfigError
 from jaxspeed.runtime.distributed import (
     emulated_processes, process_count, process_of, process_total)
 from jaxspeed.runtime.mesh import host_of_devices, make_mesh
 from jaxspeed.sharding.two_level import spanned_hosts
+from clusters import two_hosts
 
 #: the MoE GPT, small: one MoE layer of 8 experts, top-2
 SMALL_MOE = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
@@ -38,21 +38,11 @@ def test_devices_stand_for_processes_in_blocks_and_only_inside():
             pass
 
 
-def _cluster(tmp_path):
-    cluster = Cluster(
-        name="two_hosts", hosts=2, devices_per_host=4, device_memory="8GiB",
-        peak_tflops={"bf16": 1.0, "fp32": 1.0}, memory_bandwidth_gbps=10.0,
-        intra_host={"bandwidth_gbps": 10.0, "latency_us": 10.0},
-        inter_host={"bandwidth_gbps": 0.01, "latency_us": 800.0},
-        host_link={"bandwidth_gbps": 5.0}, host_memory="16GiB", collectives="gloo")
-    return str(save_cluster(cluster, tmp_path / "two_hosts.yaml"))
-
-
 def test_plan_counts_what_the_expert_axis_sends_across_the_clusters_hosts(tmp_path, capsys):
     """The flat exchange sends an all-to-all's 4 messages across per device; the hierarchical
     one none (its `ppermute`s cross instead, one a stage), and fewer messages across in all.
     Without the cluster's hosts, nothing crosses."""
-    cluster = _cluster(tmp_path)
+    cluster = str(two_hosts(tmp_path))
 
     def profile(*options):
         sets = [a for s in [*SMALL_MOE, *options] for a in ("--set", s)]
