@@ -41,6 +41,7 @@ from jaxspeed.optim.compressed import (
     compressed_allreduce,
     error_feedback_sizes,
 )
+from jaxspeed.sharding.vma import make_varying
 
 #: The keyword that selects the phase statically: `tx.update(g, s, p, onebit_phase=...)`.
 PHASE_ARG = "onebit_phase"
@@ -136,11 +137,7 @@ def _init_layout(axis_name: AxisName) -> tuple[int, int]:
 def _to_varying(tree: Any, axis_name: AxisName) -> Any:
     """Marks `tree` as varying over `axis_name` (shard_map's check_vma types) where it is not."""
 
-    def cast(x):
-        missing = tuple(a for a in _axes(axis_name) if a not in jax.typeof(x).mat.varying)
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
+    return jax.tree.map(lambda x: make_varying(x, _axes(axis_name)), tree)
 
 
 def _check_error_buffers(state: OneBitAdamState, updates: Any, num_workers: int) -> None:

@@ -41,7 +41,7 @@ from jaxspeed.sharding.planner import Plan
 from jaxspeed.sharding import zero_collectives as zc
 from jaxspeed.sharding import zero_traffic as zt
 from jaxspeed.sharding.two_level import spanned_hosts
-from jaxspeed.sharding.vma import varying_axes
+from jaxspeed.sharding.vma import make_varying
 from jaxspeed.train.onebit_step import _local_rules
 
 
@@ -108,10 +108,7 @@ class ZeroStep:
     def _vary(self, params):
         """Params varying over every manual axis: a leaf replicated over one of them (no ZeRO
         dimension divisible by it) has its gradient summed over it by the `pcast`'s transpose."""
-        def one(x):
-            missing = tuple(a for a in self.split if a not in varying_axes(x))
-            return jax.lax.pcast(x, missing, to="varying") if missing else x
-        return jax.tree.map(one, params)
+        return jax.tree.map(lambda x: make_varying(x, self.split), params)
 
     def loss_and_grads(self, spec, params, batch, rng, scale):
         """Mean loss, mean extras and the fp32 gradients of the stored (sharded) `params`,
