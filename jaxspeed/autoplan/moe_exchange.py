@@ -16,10 +16,9 @@ from typing import Any, NamedTuple
 
 from jaxspeed.autoplan import comm
 from jaxspeed.cost.flops import expert_matmul_params
-from jaxspeed.moe.all_to_all import a2a_chunk_count
 from jaxspeed.moe.gating import compute_capacity
 from jaxspeed.moe.strategies import (
-    cheapest, exchange_mesh, links_of, strategy_collectives)
+    cheapest, exchange_mesh, layer_sizes, links_of, strategy_collectives)
 from jaxspeed.ops.precision import compute_dtype
 from jaxspeed.runtime.mesh import EXPERT, SEQUENCE
 
@@ -45,15 +44,12 @@ def exchange(config: Any, plan: Any, sizes: dict[str, int], cluster: Any) -> Exc
     tokens = plan.micro_batch * config.data.seq_len // sizes[SEQUENCE]
     slots = compute_capacity(tokens, moe.num_experts, k=moe.k, capacity_factor=moe.capacity_factor,
                              min_capacity=moe.min_capacity) if moe.drop_tokens else tokens
-    row = moe.num_experts * m.d_model * itemsize
-    hierarchical = moe.all_to_all == "hierarchical"
-    overlap = cluster.collectives != "gloo"
-    chunked = overlap and a2a_chunk_count(moe.a2a_chunks, slots, row, ep) > 1
     experts = moe.num_experts // ep * expert_matmul_params(m)  # a device's
-    kw = dict(buffer_bytes=slots * row, weight_bytes=experts * itemsize,
-              ep=ep, hosts=hosts, hierarchical=hierarchical,
-              token_bytes=(tokens * m.d_model * itemsize + tokens * moe.k * 8
-                           if hierarchical and not chunked else None))
+    kw = layer_sizes(slots=slots, row_bytes=moe.num_experts * m.d_model * itemsize,
+                     token_bytes=tokens * m.d_model * itemsize, choices=tokens * moe.k,
+                     weight_bytes=experts * itemsize, ep=ep, hosts=hosts,
+                     hierarchical=moe.all_to_all == "hierarchical", chunks=moe.a2a_chunks,
+                     overlap=cluster.collectives != "gloo")  # gloo: CPU processes
     strategy = moe.parallelism
     if strategy == "auto":
         strategy = cheapest(cluster=links_of(cluster), **kw)[0]

@@ -20,8 +20,8 @@ from jaxspeed.moe.all_to_all import (
 from jaxspeed.moe.dispatch import combine, dispatch
 from jaxspeed.moe.experts import ExpertParams, expert_ffn
 from jaxspeed.moe.gating import Routing
-from jaxspeed.moe.host_tokens import exchange_tokens, sends_tokens
-from jaxspeed.moe.strategies import choose
+from jaxspeed.moe.host_tokens import exchange_tokens
+from jaxspeed.moe.strategies import choose, layer_sizes, tokens_cross
 from jaxspeed.sharding.two_level import gather_across_hosts
 
 if TYPE_CHECKING:
@@ -52,19 +52,15 @@ def exchange(x, routing: Routing, experts: ExpertParams, *, groups: int, opts: G
         return _on_buffer(x, routing, groups, opts, lambda buf: expert_ffn(
             buf, experts, activation=opts.activation)), None
     hosts, hierarchical = opts.a2a_hosts or 1, opts.all_to_all == "hierarchical"
-    itemsize = x.dtype.itemsize
-    buffer_bytes = num_experts * groups * capacity * width * itemsize
-    # The tokens with their routing (each choice's fp32 weight and int32 slot) may cross
-    # instead of the slots, unless the slots go out in chunks whose exchanges overlap the FFN:
-    # the tokens cross in one piece before it.
-    chunked = collectives_overlap() and a2a_chunk_count(
-        opts.a2a_chunks, groups * capacity, num_experts * width * itemsize, ep) > 1
-    token_bytes = (x.size * itemsize + routing.weight.size * 8
-                   if hierarchical and not chunked else None)
-    strategy = choose(
-        opts.parallelism, buffer_bytes=buffer_bytes, token_bytes=token_bytes,
+    # The tokens with their routing may cross instead of the slots, unless the slots go out in
+    # chunks whose exchanges overlap the FFN: the tokens cross in one piece before it.
+    sizes = layer_sizes(
+        slots=groups * capacity, row_bytes=num_experts * width * x.dtype.itemsize,
+        token_bytes=x.size * x.dtype.itemsize, choices=routing.weight.size,
         weight_bytes=sum(w.size * w.dtype.itemsize for w in experts if w is not None),
-        ep=ep, hosts=hosts, hierarchical=hierarchical, cluster=opts.cluster)
+        ep=ep, hosts=hosts, hierarchical=hierarchical, chunks=opts.a2a_chunks,
+        overlap=collectives_overlap())
+    strategy = choose(opts.parallelism, cluster=opts.cluster, **sizes)
     gather = {"data": lambda w: jax.lax.all_gather(w, expert_axis, axis=0, tiled=True),
               "expert_data": lambda w: gather_across_hosts(w, expert_axis, hosts=hosts)}
     if strategy in gather:
@@ -78,8 +74,7 @@ def exchange(x, routing: Routing, experts: ExpertParams, *, groups: int, opts: G
         return functools.partial(through_owners, experts=experts, opts=opts, ep=ep, move=move)
 
     inside = owners(within_host_all_to_all, hosts)
-    if strategy == "expert" and token_bytes is not None and sends_tokens(
-            token_bytes=token_bytes, buffer_bytes=buffer_bytes, hosts=hosts):
+    if strategy == "expert" and tokens_cross(sizes):
         return exchange_tokens(x, routing, inside, groups=groups, num_experts=num_experts,
                                axis=expert_axis, hosts=hosts, impl=opts.impl), strategy
     if strategy == "expert_data":  # device l of each host owns the experts of shards h*L + l

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
+from jaxspeed.moe.all_to_all import a2a_chunk_count
 from jaxspeed.moe.host_tokens import sends_tokens
 
 #: `MoE.parallelism` values.
@@ -75,6 +76,34 @@ def exchange_mesh(ep: int, hosts: int) -> dict[str, int]:
     return {"host": hosts, "expert": ep // hosts}
 
 
+def layer_sizes(*, slots: int, row_bytes: int, token_bytes: int, choices: int, weight_bytes: int,
+                ep: int, hosts: int, hierarchical: bool, chunks: int | str,
+                overlap: bool) -> dict[str, Any]:
+    """The keyword arguments of `strategy_collectives` (and `strategy_seconds`, `choose`) for one
+    device of a MoE layer: what the layer prices its step by and the planner prices it by.
+
+    Args:
+      slots, row_bytes: the capacity buffer `[E, slots, M]`, `row_bytes = E * M * itemsize`.
+      token_bytes, choices: the device's tokens `[N, M]`, and their routing's entries (`N * k`),
+        each an fp32 weight and an int32 slot when the tokens cross hosts.
+      weight_bytes: the device's stored experts.
+      chunks, overlap: `a2a_chunks`, and whether collectives run beside compute: where the
+        slots go out in chunks that overlap the FFN, the tokens do not cross instead.
+    """
+    chunked = overlap and a2a_chunk_count(chunks, slots, row_bytes, ep) > 1
+    return dict(buffer_bytes=slots * row_bytes, weight_bytes=weight_bytes, ep=ep, hosts=hosts,
+                hierarchical=hierarchical,
+                token_bytes=token_bytes + choices * 8 if hierarchical and not chunked else None)
+
+
+def tokens_cross(sizes: dict[str, Any]) -> bool:
+    """Whether `expert`'s hierarchical exchange sends the tokens across hosts instead of the
+    slots, for `layer_sizes`' `sizes`: where they were offered and are fewer bytes."""
+    return sizes["token_bytes"] is not None and sends_tokens(
+        token_bytes=sizes["token_bytes"], buffer_bytes=sizes["buffer_bytes"],
+        hosts=sizes["hosts"])
+
+
 def strategy_collectives(strategy: str, *, buffer_bytes: int, weight_bytes: int, ep: int,
                          hosts: int, hierarchical: bool = False,
                          token_bytes: int | None = None) -> list[tuple[str, float, tuple, int]]:
@@ -99,8 +128,7 @@ def strategy_collectives(strategy: str, *, buffer_bytes: int, weight_bytes: int,
     if strategy == "expert_data":
         return [("collective-permute", weight_bytes, ("host",), 2 * (hosts - 1)),
                 ("all-to-all", buffer_bytes, ("expert",), 4)]
-    tokens = token_bytes is not None and sends_tokens(
-        token_bytes=token_bytes, buffer_bytes=buffer_bytes, hosts=hosts)
+    tokens = tokens_cross(dict(token_bytes=token_bytes, buffer_bytes=buffer_bytes, hosts=hosts))
     if hierarchical and (tokens or 1 < hosts < ep):
         across = token_bytes if tokens else buffer_bytes / hosts
         return [("all-to-all", buffer_bytes, ("expert",), 4),
