@@ -48,6 +48,7 @@ SMOKE      ?= tests/test_mesh.py tests/test_onebit.py tests/test_moe_parallel.py
               tests/test_autoplan_comm.py tests/test_params_checkpoint.py tests/test_profiler.py \
               tests/test_matmul.py tests/test_moe_routing_balance.py tests/test_step_probe.py \
               tests/test_moe_strategies.py tests/test_moe_host_tokens.py tests/test_update_cost.py \
+              tests/test_moe_expert_tensor.py \
               tests/test_plan_processes.py \
               tests/test_gpu_suite.py
 test-jax-min: $(STAMP)

@@ -71,7 +71,8 @@ def test_the_exchange_moves_what_the_compiled_step_moves(capsys):
     sizes = traffic.mesh_sizes(plan.sizes, 1)
     flat = exchange(config, plan, sizes, load_cluster("8xh100-nvlink"))
     capacity = -(-2 * 5 * 64 // (4 * E))  # k=2, capacity factor 1.25, 64 tokens a device
-    assert flat.strategy == "expert" and flat.times == 1 and flat.mesh == {"host": 1, "expert": 8}
+    assert flat.strategy == "expert" and flat.times == 1
+    assert flat.mesh == {"host": 1, "expert": 8, "tensor": 1}
     assert flat.collectives == [("all-to-all", E * capacity * D * 4, ("host", "expert"), 4)]
     assert exchange(_config("model.moe=null"), plan, sizes, load_cluster("8xh100-nvlink")) is None
     sets = [a for s in [*SMALL, "mesh.data=1", "mesh.expert=8"] for a in ("--set", s)]
@@ -94,7 +95,7 @@ def test_the_exchange_is_priced_by_the_layers_strategy_on_the_hosts_it_spans(tmp
         return exchange(config, plan, sizes, cluster), estimate(config, plan, cluster)
 
     hier, hier_est = priced(1, "model.moe.all_to_all=hierarchical")
-    assert hier.mesh == {"host": 2, "expert": 4}
+    assert hier.mesh == {"host": 2, "expert": 4, "tensor": 1}
     kinds = {kind: nbytes for kind, nbytes, _, _ in hier.collectives}
     assert kinds["collective-permute"] == 32 * D * 4 + 32 * 2 * 8  # 32 tokens + their routing
     flat, flat_est = priced(1)
@@ -130,3 +131,24 @@ def test_zero3_over_an_expert_axis_across_processes_is_priced_in_two_stages(tmp_
     assert estimate(config, plan, cluster).comm_by_kind["all-gather"] == pytest.approx(
         priced("nccl"))
     assert priced("nccl") < priced("gloo")
+
+
+def test_on_a_tensor_axis_the_experts_are_gathered_or_stay_split():
+    """expert x tensor = 4 x 2 (Tutel's sharding degree 2): `expert` gathers a device's experts
+    over `tensor` and moves half the slots; `expert_tensor` moves all of them and sums the
+    FFN's output over `tensor` instead."""
+    cluster, priced = load_cluster("8xh100-nvlink"), {}
+    for strategy in ("expert", "expert_tensor"):
+        config = _config("mesh.data=1", "mesh.expert=4", "mesh.tensor=2",
+                         f"model.moe.parallelism={strategy}")
+        plan = from_config(config, {"expert": 4, "tensor": 2})
+        priced[strategy] = exchange(config, plan, traffic.mesh_sizes(plan.sizes, 1), cluster)
+        assert estimate(config, plan, cluster).comm_by_kind["all-to-all"] > 0
+    whole, split = priced["expert"], priced["expert_tensor"]
+    assert whole.mesh == split.mesh == {"host": 1, "expert": 4, "tensor": 2}
+    a2a = {name: [c[1] for c in ex.collectives if c[0] == "all-to-all"]
+           for name, ex in priced.items()}
+    assert a2a["expert_tensor"] == [2 * a2a["expert"][0]]
+    experts = E // 4 * 2 * D * H * 4  # a device's 2 experts, whole, fp32
+    assert ("all-gather", experts, ("tensor",), 1) in whole.collectives
+    assert [c[0] for c in split.collectives if c[2] == ("tensor",)] == ["all-reduce"]

@@ -39,11 +39,12 @@ def matmuls_inside_exchanges(hlo: str) -> tuple[int, int]:
     return starts, inside
 
 
-def _compile(chunks: int, **options) -> str:
+def _compile(chunks: int, axes=(("expert", 8),), **options) -> str:
     from jaxspeed.gpu import deviceless
 
     devices = deviceless.devices("h100", 8)
-    mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,), devices=devices)
+    names, sizes = tuple(a for a, _ in axes), tuple(n for _, n in axes)
+    mesh = jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
     module = MoE(**{**dict(num_experts=8, d_ff=1024, k=2, capacity_factor=1.0, use_rts=False,
                            a2a_chunks=chunks), **options})
     tokens = jnp.zeros((TOKENS, WIDTH), jnp.bfloat16)
@@ -90,3 +91,13 @@ def test_the_token_exchange_lowers_for_gpus_and_chunks_keep_the_slots():
     options = dict(all_to_all="hierarchical", a2a_hosts=2, eval_capacity_factor=1.25)
     assert _permutes_int32(_compile(1, **options))
     assert not _permutes_int32(_compile(2, **options))
+
+
+@needs_gpu_compile
+@pytest.mark.parametrize("parallelism", ["expert", "expert_tensor"])
+def test_both_sharding_degrees_lower_for_gpus(parallelism):
+    """expert x tensor = 4 x 2 H100s: the experts run whole (their hidden units gathered over
+    `tensor`) or split, both asynchronous all-to-alls on the GPU."""
+    hlo = _compile(1, axes=(("expert", 4), ("tensor", 2)), parallelism=parallelism)
+    assert re.search(r" all-to-all-start\(", hlo)
+    assert bool(re.search(r" all-gather(-start)?\(", hlo)) == (parallelism == "expert")

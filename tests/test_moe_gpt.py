@@ -201,7 +201,7 @@ def test_auto_reports_the_strategy_each_step_ran(stage, caplog):
     assert priced and priced <= set(STRATEGIES), priced
     for h in history:
         ran = {s: h[f"moe_auto_{s}"] for s in STRATEGIES}
-        assert sorted(ran.values()) == [0.0, 0.0, 1.0], ran
+        assert sorted(ran.values()) == [0.0] * (len(STRATEGIES) - 1) + [1.0], ran
         assert max(ran, key=ran.get) in priced
     fixed = js.initialize(config(*EP4, moe % "expert"))
     _, history = train(fixed, fixed.init(jax.random.key(0)), 1)

@@ -88,7 +88,7 @@ def _exchange(dtype, *, tokens_form: bool, monkeypatch):
     """`exchange` on 8 devices as 2 hosts (top-2 of 8 experts, capacity factor 2), in `dtype`:
     `(y, d x, d experts, d combine weights)` and the compiled HLO."""
     if not tokens_form:
-        monkeypatch.setattr(exchange_module, "tokens_cross", lambda sizes: False)
+        monkeypatch.setattr(exchange_module, "tokens_cross", lambda sizes, strategy: False)
     rng = np.random.default_rng(8)
     experts, hidden = EP["num_experts"], EP["d_ff"]
     x = jnp.asarray(rng.normal(size=(8 * TOKENS, M)), dtype)

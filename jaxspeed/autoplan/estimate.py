@@ -215,7 +215,7 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
     recompute = 1.5 if plan.remat == "full" else 1.0
     moe = moe_exchange.exchange(config, plan, sizes, cluster)
     for kind, nbytes, axes, count in moe.collectives if moe is not None else ():
-        cost(kind, nbytes, axes, count * moe.times, mesh=moe.mesh, per_host=moe.mesh["expert"])
+        cost(kind, nbytes, axes, count * moe.times, mesh=moe.mesh, per_host=moe.devices_per_host)
     cost("all-reduce", hidden, ("tensor",), 4 * recompute * m.n_layers / pipe * micro_steps)
     cost("all-to-all", hidden / tensor, ("sequence",), 8 * recompute * m.n_layers * micro_steps)
     cost("collective-permute", hidden, ("pipe",), 2 * micro_steps)

@@ -18,9 +18,9 @@ from jaxspeed.autoplan import comm
 from jaxspeed.cost.flops import expert_matmul_params
 from jaxspeed.moe.gating import compute_capacity
 from jaxspeed.moe.strategies import (
-    cheapest, exchange_mesh, layer_sizes, links_of, strategy_collectives)
+    cheapest, exchange_mesh, layer_sizes, links_of, per_host, strategy_collectives)
 from jaxspeed.ops.precision import compute_dtype
-from jaxspeed.runtime.mesh import EXPERT, SEQUENCE
+from jaxspeed.runtime.mesh import EXPERT, SEQUENCE, TENSOR
 
 
 class Exchange(NamedTuple):
@@ -28,8 +28,12 @@ class Exchange(NamedTuple):
 
     strategy: str  #: the one that runs (`auto`: the cheapest on the cluster)
     collectives: list  #: `(kind, bytes, axes, count)` per layer and micro-step, on `mesh`
-    mesh: dict[str, int]  #: `exchange_mesh`: hosts x devices a host of the expert axis
+    mesh: dict[str, int]  #: `exchange_mesh`: the expert axis's hosts x devices, and `tensor`
     times: int  #: MoE layers of a pipeline stage x micro-steps
+
+    @property
+    def devices_per_host(self) -> int:
+        return per_host(self.mesh)
 
 
 def exchange(config: Any, plan: Any, sizes: dict[str, int], cluster: Any) -> Exchange | None:
@@ -44,15 +48,16 @@ def exchange(config: Any, plan: Any, sizes: dict[str, int], cluster: Any) -> Exc
     tokens = plan.micro_batch * config.data.seq_len // sizes[SEQUENCE]
     slots = compute_capacity(tokens, moe.num_experts, k=moe.k, capacity_factor=moe.capacity_factor,
                              min_capacity=moe.min_capacity) if moe.drop_tokens else tokens
-    experts = moe.num_experts // ep * expert_matmul_params(m)  # a device's
+    tp = sizes[TENSOR]  # the experts' hidden units split over it (Tutel's sharding degree)
+    experts = moe.num_experts // ep * expert_matmul_params(m) // tp  # a device's
     kw = layer_sizes(slots=slots, row_bytes=moe.num_experts * m.d_model * itemsize,
                      token_bytes=tokens * m.d_model * itemsize, choices=tokens * moe.k,
                      weight_bytes=experts * itemsize, ep=ep, hosts=hosts,
                      hierarchical=moe.all_to_all == "hierarchical", chunks=moe.a2a_chunks,
-                     overlap=cluster.collectives != "gloo")  # gloo: CPU processes
+                     overlap=cluster.collectives != "gloo", tp=tp)  # gloo: CPU processes
     strategy = moe.parallelism
     if strategy == "auto":
         strategy = cheapest(cluster=links_of(cluster), **kw)[0]
     layers = m.n_layers // moe.every_n_layers // sizes["pipe"]
-    return Exchange(strategy, strategy_collectives(strategy, **kw), exchange_mesh(ep, hosts),
+    return Exchange(strategy, strategy_collectives(strategy, **kw), exchange_mesh(ep, hosts, tp),
                     layers * plan.accumulation)

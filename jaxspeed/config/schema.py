@@ -382,6 +382,11 @@ class Config(_Section):
                 "logging.sample_every_n_steps needs decoding, which model.moe.routing="
                 "expert_choice cannot do (each expert picks from the whole group, later tokens "
                 "included); set logging.sample_every_n_steps=0")
+        if moe is not None and moe.parallelism == "expert_tensor" and self.mesh.tensor == 1:
+            raise ValueError(
+                "model.moe.parallelism=expert_tensor keeps each expert's hidden units split over "
+                "the tensor axis (Tutel's sharding degree is mesh.tensor), and mesh.tensor=1 "
+                "splits nothing; set mesh.tensor > 1, or parallelism=expert")
         if moe is not None and moe.balance == "bias" and self.optimizer.type in ONEBIT_TYPES:
             raise ValueError(
                 f"model.moe.balance=bias does not go with optimizer.type={self.optimizer.type}: "

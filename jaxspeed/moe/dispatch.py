@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.moe.gating import Routing
+from jaxspeed.sharding.vma import vary_alike
 from pallas_kernels import moe_kernels as kernels
 from pallas_kernels._backend import on_gpu
 
@@ -174,6 +175,10 @@ def combine(y, routing: Routing, *, impl: str = "auto"):
     """
     impl = _resolve_impl(impl)
     capacity = _static_capacity(routing)
+    # the weights' cotangent varies with `y` (over `tensor` where experts run whole on shares
+    # of the slots): the custom VJPs want it typed like its primal
+    y, weight = vary_alike(y, routing.weight)
+    routing = routing._replace(weight=weight)
     if y.ndim != 3 or y.shape[1] != capacity:
         raise ValueError(
             f"y must have shape [experts, capacity={capacity}, model], got {y.shape}")

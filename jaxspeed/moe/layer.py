@@ -193,7 +193,9 @@ class MoE(nn.Module):
       parallelism: what moves over the expert axis (Tutel's adaptive parallelism,
         `jaxspeed.moe.strategies`), from the same stored experts: "expert" (the tokens, by
         all-to-all), "data" (every expert's weights, gathered; the tokens stay),
-        "expert_data" (the weights across hosts, the tokens inside each host), or "auto":
+        "expert_data" (the weights across hosts, the tokens inside each host),
+        "expert_tensor" (the tokens by all-to-all, each expert's hidden units left split over
+        the `tensor` mesh axis; the others gather them there and split the slots), or "auto":
         per capacity (per step with `dynamic_capacity`), the cheapest by the cost model on
         `cluster`'s links, logged (logger `jaxspeed.moe.strategies`) once per capacity at
         compile time; each step sows which one ran (`moe_auto_<strategy>`: 1 for the one

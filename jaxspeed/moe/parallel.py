@@ -38,11 +38,12 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
-from jaxspeed.runtime.mesh import DATA, HOST
+from jaxspeed.runtime.mesh import DATA, HOST, TENSOR
 from jaxspeed.moe.experts import ExpertParams, capacity_buckets, dropless_ffn, switch_on_capacity
 from jaxspeed.moe.balance import centered_load, report_load
 from jaxspeed.moe.exchange import exchange
 from jaxspeed.moe.expert_choice import expert_choice_gating
+from jaxspeed.moe.expert_tensor import hidden_specs, summed
 from jaxspeed.moe.gating import Routing, gate_logits, top_k_gating
 from jaxspeed.moe.strategies import STRATEGIES, Links
 from jaxspeed.sharding.two_level import spanned_hosts
@@ -134,6 +135,13 @@ def data_parallel_axes(expert_axis: str = "expert", *, manual: bool = False) -> 
             if a in types and (types[a] == AxisType.Manual) == manual}
 
 
+def _auto_size(axis: str) -> int:
+    """The size of the current mesh's `axis` where it is not manual yet (else 1)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    return mesh.shape[axis] if types.get(axis) == AxisType.Auto else 1
+
+
 def default_num_groups(expert_axis: str = "expert") -> int:
     """Product of the sizes of the current mesh's data-parallel axes (1 without a mesh)."""
     return math.prod(data_parallel_axes(expert_axis).values())
@@ -177,13 +185,13 @@ def _flat_routing(routing: Routing, num_experts: int) -> Routing:
 
 
 def _experts_via_buffers(x, routing: Routing, experts: ExpertParams, *, opts: GatingOptions,
-                         expert_axis: str | None, ep: int):
+                         expert_axis: str | None, ep: int, tensor: str | None, tp: int):
     """Dispatch to the capacity buffer, to the experts' owners and back, combine
     (`exchange`); also the strategy that ran, one-hot (`ran`)."""
     groups, tokens, width = x.shape
     y, strategy = exchange(x.reshape(groups * tokens, width),
                            _flat_routing(routing, opts.num_experts), experts, groups=groups,
-                           opts=opts, expert_axis=expert_axis, ep=ep)
+                           opts=opts, expert_axis=expert_axis, ep=ep, tensor=tensor, tp=tp)
     return y, ran(strategy)
 
 
@@ -194,8 +202,10 @@ def ran(strategy: str | None) -> jax.Array:
 
 def _local_moe(x, gate_kernel, experts: ExpertParams, rng, bias=None, *, opts: GatingOptions,
                group_offset, expert_axis: str | None, ep: int,
-               sync_axes: tuple[str, ...] = ()) -> MoEOutput:
-    """The MoE on this device's groups `x [G_l, Tg, M]`; all-to-all over `expert_axis` if ep > 1.
+               sync_axes: tuple[str, ...] = (), tensor: str | None = None,
+               tp: int = 1) -> MoEOutput:
+    """The MoE on this device's groups `x [G_l, Tg, M]`; all-to-all over `expert_axis` if ep > 1;
+    the experts' hidden units split over the manual axis `tensor` (of size `tp`) if not None.
 
     With a balancing `bias` (`jaxspeed.moe.balance`), the bias joins the expert choice and the
     groups' load becomes its cotangent: every device routes as many choices, so 1/n of each
@@ -212,12 +222,13 @@ def _local_moe(x, gate_kernel, experts: ExpertParams, rng, bias=None, *, opts: G
     group_ids = group_offset + jnp.arange(groups, dtype=jnp.int32)
     routing = _route(x, gate_kernel, rng, group_ids, opts, bias=bias)
     run = functools.partial(_experts_via_buffers, experts=experts, opts=opts,
-                            expert_axis=expert_axis, ep=ep)
+                            expert_axis=expert_axis, ep=ep, tensor=tensor, tp=tp)
     if not opts.drop_tokens and ep == 1:
-        y = dropless_ffn(x.reshape(groups * tokens, width),
-                         routing.expert_index.reshape(groups * tokens, -1),
-                         routing.weight.reshape(groups * tokens, -1), experts,
-                         activation=opts.activation)
+        dropless = functools.partial(
+            dropless_ffn, x.reshape(groups * tokens, width),
+            routing.expert_index.reshape(groups * tokens, -1),
+            routing.weight.reshape(groups * tokens, -1), activation=opts.activation)
+        y = dropless(experts) if tensor is None else summed(dropless, experts, tensor)()
         strategy = ran(None)
     elif opts.dynamic_capacity and opts.drop_tokens and not opts.eval_mode:
         buckets = capacity_buckets(tokens, opts.num_experts, k=opts.k,
@@ -318,6 +329,9 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
 
     axes = tuple(dp)
     local_groups = groups // dp_size
+    # the experts' hidden units over `tensor`, manual too (`jaxspeed.moe.expert_tensor`)
+    tp = 1 if outer else _auto_size(TENSOR)
+    tensor = TENSOR if tp > 1 else None
 
     def body(xl, kernel, local_experts, key, bias):
         # the weights' gradients are summed over the devices they are replicated on, in fp32
@@ -325,15 +339,16 @@ def moe_ffn(x, gate_kernel, experts: ExpertParams, *, opts: GatingOptions,
                                              (kernel, local_experts))
         offset = jax.lax.axis_index(axes) * local_groups
         return _local_moe(xl, kernel, local_experts, key, bias, opts=opts, group_offset=offset,
-                          expert_axis=expert_axis if ep > 1 else None, ep=ep, sync_axes=axes)
+                          expert_axis=expert_axis if ep > 1 else None, ep=ep, sync_axes=axes,
+                          tensor=tensor, tp=tp)
 
     if not outer:
-        expert_spec = P(expert_axis) if expert_axis in dp else P()
+        expert_spec = hidden_specs(experts, expert_axis if expert_axis in dp else None, tensor)
         key_spec = None if rng is None else P()
         bias_spec = None if selection_bias is None else P()
         body = jax.shard_map(
             body, in_specs=(P(axes), P(), expert_spec, key_spec, bias_spec),
             out_specs=MoEOutput(*(P(axes),) * len(MoEOutput._fields)),
-            axis_names=frozenset(axes))
+            axis_names=frozenset(axes + ((tensor,) if tensor else ())))
     out = body(xg, gate_kernel, experts, rng, selection_bias)
     return out._replace(y=out.y.reshape(tokens, width))
