@@ -6,9 +6,9 @@ data=8, expert=1, one with data=1, expert=8 and a single device with `num_groups
 same outputs, gradients and losses.
 
 With data-parallel mesh axes (`data`, `expert`) of size > 1 in the current mesh, the layer runs
-inside `jax.shard_map`, manual over those axes and Auto over the rest (`tensor` keeps splitting
-the expert hidden dimension inside, and ZeRO-3 data-sharded weights are all-gathered by XLA at
-the boundary). Each device holds `G / dp` groups and, for expert parallelism (`ep` = size of
+inside `jax.shard_map`, manual over those axes and `tensor` (which splits the experts' hidden
+dimension: `jaxspeed.moe.expert_tensor` runs them split or whole there) and Auto over the rest
+(ZeRO-3 data-sharded weights are all-gathered by XLA at the boundary). Each device holds `G / dp` groups and, for expert parallelism (`ep` = size of
 the expert axis), GShard's two all-to-alls move the capacity buffers:
 
     dispatch      [G_l, E, C, M] -> [E, G_l * C, M]

@@ -28,7 +28,8 @@ On a mesh with a `tensor` axis the experts are stored split over it on their hid
 (`[E, M, H]` as `expert x - x tensor`). Every strategy but `expert_tensor` runs an expert whole
 where it runs (Tutel's r <= 1): the device gathers its experts' hidden units over `tensor` and
 takes 1/t of the tensor group's slots (t = `mesh.tensor`), so its exchange moves 1/t of the
-buffer, and the group's outputs are summed over `tensor` after the combine (`jaxspeed.moe.expert_tensor`).
+buffer, and the group's outputs are summed over `tensor` after the combine
+(`jaxspeed.moe.expert_tensor`).
 Without a `tensor` axis (r = 1) `expert_tensor` is `expert`.
 
 The result is the same under every strategy, forward and gradients (tests/test_moe_strategies,
