@@ -43,6 +43,16 @@ def test_each_strategy_on_a_tensor_axis_equals_one_device(parallelism):
     assert bool(gathers) == (parallelism != "expert_tensor"), gathers
 
 
+def test_auto_per_capacity_bucket_on_a_tensor_axis_equals_one_device():
+    """Dynamic capacity: each bucket's branch runs the strategy priced for it, whole or split
+    over `tensor`; the result is still the single-device layer's."""
+    options = dict(EP, dynamic_capacity=True, capacity_factor=16.0)  # buckets of 32, 16, 8
+    out, ref, _ = _on_mesh_and_one_device(options, MESH, num_groups=8, parallelism="auto",
+                                          a2a_hosts=2)
+    ((_, (y, _)), grads), ((_, (ref_y, _)), ref_grads) = out, ref
+    assert_close((y, grads), (ref_y, ref_grads), rtol=RTOL)
+
+
 def test_whole_experts_exchange_half_the_slots():
     """With the experts whole (`expert`) a device of a tensor pair exchanges half the pair's
     slots; with them split (`expert_tensor`) all of them, and sums the FFN's output over the
