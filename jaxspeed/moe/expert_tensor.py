@@ -20,17 +20,20 @@ from jaxspeed.moe.experts import ExpertParams, expert_ffn
 from jaxspeed.sharding.vma import make_varying
 
 
+#: The hidden dimension of each `ExpertParams` field that has one.
+HIDDEN_DIM = {"w_in": 2, "w_gate": 2, "w_out": 1, "b_in": 1}
+
+
 def hidden_specs(experts: ExpertParams, expert_axis: str | None, tensor: str | None):
     """`shard_map` specs of `experts` stored split over `expert_axis` (None: whole) on their
     first dimension and over `tensor` (None: not split) on their hidden one."""
-    split = {"w_in": 2, "w_gate": 2, "w_out": 1, "b_in": 1}
 
     def spec(name, w):
         if w is None:
             return None
         dims = [expert_axis] + [None] * (w.ndim - 1)
-        if tensor is not None and name in split:
-            dims[split[name]] = tensor
+        if tensor is not None and name in HIDDEN_DIM:
+            dims[HIDDEN_DIM[name]] = tensor
         return P(*dims)
 
     return ExpertParams(*(spec(name, w) for name, w in zip(ExpertParams._fields, experts)))
@@ -73,10 +76,9 @@ class Whole:
         self.axis, self.size = axis, size
 
     def experts(self, experts: ExpertParams) -> ExpertParams:
-        gather = {"w_in": 2, "w_gate": 2, "w_out": 1, "b_in": 1}
         return ExpertParams(*(
-            w if w is None or name not in gather
-            else jax.lax.all_gather(w, self.axis, axis=gather[name], tiled=True)
+            w if w is None or name not in HIDDEN_DIM
+            else jax.lax.all_gather(w, self.axis, axis=HIDDEN_DIM[name], tiled=True)
             for name, w in zip(ExpertParams._fields, experts)))
 
     def tokens(self, x):
