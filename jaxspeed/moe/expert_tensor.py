@@ -9,6 +9,7 @@ axes, where the tokens and their routing are the same on every device of a tenso
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -48,19 +49,19 @@ def _first_only(experts: ExpertParams, axis: str) -> ExpertParams:
     return experts._replace(b_out=experts.b_out * first)
 
 
+def summed(fn: Callable, experts: ExpertParams, axis: str):
+    """`fn(experts)` (an FFN of the experts, such as `dropless_ffn` on routed tokens) on their
+    hidden units split over `axis`, its shares summed over `axis`."""
+    return jax.lax.psum(fn(_first_only(experts, axis)), axis)
+
+
 def split_ffn(experts: ExpertParams, *, axis: str | None, activation: str) -> Callable:
     """`buf [E, S, M] -> [E, S, M]`: the experts' FFN with their hidden units split over `axis`
     (None: not split), each device's share summed over `axis`."""
+    ffn = lambda params, buf: expert_ffn(buf, params, activation=activation)  # noqa: E731
     if axis is None:
-        return lambda buf: expert_ffn(buf, experts, activation=activation)
-    experts = _first_only(experts, axis)
-    return lambda buf: jax.lax.psum(expert_ffn(buf, experts, activation=activation), axis)
-
-
-def summed(fn: Callable, experts: ExpertParams, axis: str) -> Callable:
-    """`fn(experts)` (a routed FFN giving `[N, M]`, such as `dropless_ffn`) on the experts'
-    hidden units split over `axis`, its shares summed over `axis`."""
-    return lambda: jax.lax.psum(fn(_first_only(experts, axis)), axis)
+        return functools.partial(ffn, experts)
+    return lambda buf: summed(functools.partial(ffn, buf=buf), experts, axis)
 
 
 class Whole:

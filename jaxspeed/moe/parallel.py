@@ -228,7 +228,7 @@ def _local_moe(x, gate_kernel, experts: ExpertParams, rng, bias=None, *, opts: G
             dropless_ffn, x.reshape(groups * tokens, width),
             routing.expert_index.reshape(groups * tokens, -1),
             routing.weight.reshape(groups * tokens, -1), activation=opts.activation)
-        y = dropless(experts) if tensor is None else summed(dropless, experts, tensor)()
+        y = dropless(experts) if tensor is None else summed(dropless, experts, tensor)
         strategy = ran(None)
     elif opts.dynamic_capacity and opts.drop_tokens and not opts.eval_mode:
         buckets = capacity_buckets(tokens, opts.num_experts, k=opts.k,
