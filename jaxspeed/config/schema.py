@@ -39,6 +39,9 @@ from jaxspeed.config.optimizer import (
     SchedulerConfig,
 )
 from jaxspeed.config.units import parse_bytes
+from jaxspeed.ops.fp8 import HISTORY as _FP8_HISTORY
+from jaxspeed.ops.fp8 import PROJECTIONS as _FP8_PROJECTIONS
+from jaxspeed.ops.fp8 import RECIPES as _FP8_RECIPES
 
 
 def _hosts(value: Any) -> Any:
@@ -100,6 +103,21 @@ class Fp16Config(_Section):
     consecutive_hysteresis: _Bool = False
 
 
+class Fp8Config(_Section):
+    """FP8 matmuls in the transformer blocks' projections, MLPs and experts (`jaxspeed.ops.fp8`):
+    e4m3 operands forward, e5m2 gradients. The embedding, the LM head, the norms and attention
+    stay in the compute dtype."""
+
+    enabled: _Bool = False
+    #: `tensorwise` (current scaling, a scale per tensor), `rowwise` (current scaling, a scale
+    #: per row of each GEMM operand), `delayed` (Transformer Engine's amax history)
+    recipe: Literal[_FP8_RECIPES] = "tensorwise"
+    #: `delayed`: steps of amax history each scale is taken from (the history's max)
+    amax_history_length: _PositiveInt = _FP8_HISTORY
+    #: projections that stay in the compute dtype, by name
+    skip: list[Literal[_FP8_PROJECTIONS]] = Field(default_factory=list)
+
+
 class OffloadConfig(_Section):
     """Where a ZeRO-sharded state lives between steps: `cpu` is XLA's `pinned_host` memory."""
 
@@ -153,6 +171,9 @@ class ZeroConfig(_Section):
     zero_hpz_partition_size: _PositiveInt = 1
     #: qgZ's bits per gradient value: 4 (packed two to a byte, ZeRO++'s choice) or 8.
     quantized_gradient_bits: Annotated[Literal[4, 8], BeforeValidator(_not_bool)] = 4
+    #: Stage 3 with `fp8.enabled` (recipe tensorwise): gather the weights already cast to FP8,
+    #: with their scales (torchtitan's float8 all-gather), half the bytes of bf16.
+    fp8_all_gather: _Bool = False
     #: Elements per fp32 scale in qwZ / qgZ's block quantization (even).
     quantization_block_size: _PositiveInt = 256
     #: Stage 3 with explicit collectives: the most elements one full-precision gradient
@@ -352,6 +373,7 @@ class Config(_Section):
     gradient_clipping: Annotated[float, Field(strict=True, ge=0)] = 0.0
     bf16: Bf16Config = Field(default_factory=Bf16Config)
     fp16: Fp16Config = Field(default_factory=Fp16Config)
+    fp8: Fp8Config = Field(default_factory=Fp8Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     optimizer: OptimizerConfig = Field(default_factory=AdamWConfig)
     scheduler: SchedulerConfig = Field(default_factory=ConstantConfig)
@@ -387,12 +409,43 @@ class Config(_Section):
                 "model.moe.parallelism=expert_tensor keeps each expert's hidden units split over "
                 "the tensor axis (Tutel's sharding degree is mesh.tensor), and mesh.tensor=1 "
                 "splits nothing; set mesh.tensor > 1, or parallelism=expert")
+        self._check_fp8()
         if moe is not None and moe.balance == "bias" and self.optimizer.type in ONEBIT_TYPES:
             raise ValueError(
                 f"model.moe.balance=bias does not go with optimizer.type={self.optimizer.type}: "
                 f"the 1-bit exchange would compress the expert load the bias moves by; use "
                 f"balance=aux_loss or an uncompressed optimizer")
         return self
+
+    def _check_fp8(self) -> None:
+        """The FP8 combinations that do not work together, each naming both keys."""
+        fp8, zero, moe = self.fp8, self.zero_optimization, self.model.moe
+        if zero.fp8_all_gather and not (fp8.enabled and fp8.recipe == "tensorwise"
+                                        and zero.stage == 3):
+            raise ValueError(
+                "zero_optimization.fp8_all_gather gathers weights cast to FP8 with one scale "
+                "per tensor: it needs fp8.enabled with fp8.recipe=tensorwise and "
+                f"zero_optimization.stage=3 (got fp8.enabled={fp8.enabled}, "
+                f"fp8.recipe={fp8.recipe}, stage {zero.stage})")
+        if not fp8.enabled:
+            return
+        experts = moe is not None and "experts" not in fp8.skip
+        if experts and not moe.drop_tokens:
+            raise ValueError(
+                "fp8.enabled with model.moe.drop_tokens=false: the dropless experts' grouped "
+                "matmuls have no FP8 path; add 'experts' to fp8.skip or drop tokens")
+        if fp8.recipe != "delayed":
+            return
+        for key, used in (("model.moe", experts), ("mesh.pipe", self.mesh.pipe > 1),
+                          (f"optimizer.type={self.optimizer.type}",
+                           self.optimizer.type in ONEBIT_TYPES),
+                          (f"zero_optimization.collectives={zero.collectives}",
+                           zero.collectives == "explicit")):
+            if used:
+                raise ValueError(
+                    f"fp8.recipe=delayed keeps amax histories as train state, which {key} "
+                    f"does not carry yet; use fp8.recipe=tensorwise or rowwise"
+                    + (" (or add 'experts' to fp8.skip)" if key == "model.moe" else ""))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict with the config's own key names; `load_config` of it is equal."""

@@ -26,6 +26,7 @@ from jaxspeed.models.dense_attention import attend, share_kv_heads
 from jaxspeed.models.layers import INIT_STD, cast, logical_param
 from jaxspeed.models.positions import Rotary, rotary_embedding
 from jaxspeed.models.sequence_split import SequenceSplit, sequence_split
+from jaxspeed.ops import fp8 as fp8_ops
 from jaxspeed.ops import matmul
 
 Array = jax.Array
@@ -84,6 +85,8 @@ class Attention(nn.Module):
     cache_len: int = 0
     qkv_bias: bool = False
     sliding_window: int | None = None
+    #: FP8 for the q/k/v/out projections (attention itself stays in the compute dtype)
+    fp8: fp8_ops.Fp8Recipe | None = None
 
     @nn.compact
     def __call__(self, x: Array, segment_ids: Array | None = None,
@@ -98,7 +101,8 @@ class Attention(nn.Module):
         def project(name: str, heads: int) -> Array:
             kernel = logical_param(
                 self, name, ("embed", "heads", "kv"), (embed, heads, head_dim), std=INIT_STD)
-            y = matmul.einsum("ble,ehd->blhd", x, cast(kernel, self.dtype))
+            y = fp8_ops.project(self, name, "ble,ehd->blhd", x, cast(kernel, self.dtype),
+                                self.fp8, matmul.einsum)
             if self.qkv_bias:
                 bias = self.param(
                     f"{name}_bias", nn.with_logical_partitioning(nn.initializers.zeros,
@@ -135,7 +139,8 @@ class Attention(nn.Module):
         out = logical_param(
             self, "out", ("heads", "kv", "embed"), (self.n_heads, head_dim, embed), std=self.out_std
         )
-        y = matmul.einsum("blhd,hde->ble", y, cast(out, self.dtype))
+        y = fp8_ops.project(self, "out", "blhd,hde->ble", y, cast(out, self.dtype), self.fp8,
+                            matmul.einsum)
         return checkpoint_name(y, "attn_out")
 
     def _attend(self, q: Array, k: Array, v: Array, split: SequenceSplit | None,

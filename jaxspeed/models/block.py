@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxspeed.models.attention import Attention
 from jaxspeed.models.layers import NORM_EPS, Mlp, Norm
 from jaxspeed.moe.layer import MoE
+from jaxspeed.ops.fp8 import Fp8Recipe
 
 Array = jax.Array
 Dtype = Any
@@ -21,7 +22,8 @@ class Block(nn.Module):
 
     `attention` holds the `Attention` attributes besides the shared `out_std`, `param_dtype`
     and `dtype`. With `moe` (keyword arguments of `jaxspeed.moe.MoE`) the feed-forward is a
-    mixture of experts, which records its aux loss for the engine.
+    mixture of experts, which records its aux loss for the engine. `fp8` runs the projections,
+    the MLP and the experts' matmuls in FP8 (`jaxspeed.ops.fp8`).
     """
 
     d_ff: int
@@ -33,6 +35,7 @@ class Block(nn.Module):
     dtype: Dtype | None = None
     norm_eps: float = NORM_EPS
     moe: tuple[tuple[str, Any], ...] | None = None
+    fp8: Fp8Recipe | None = None
 
     @nn.compact
     def __call__(self, x: Array, deterministic: bool = False, segment_ids: Array | None = None,
@@ -43,15 +46,18 @@ class Block(nn.Module):
         h = Norm(self.norm, self.param_dtype, self.norm_eps, name="attn_norm")(x)
         h = Attention(
             **self.attention, out_std=self.out_std, param_dtype=self.param_dtype,
-            dtype=self.dtype, name="attn",
+            dtype=self.dtype, fp8=self.fp8, name="attn",
         )(h, segment_ids, positions)
         x = x + h.astype(x.dtype)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         h = Norm(self.norm, self.param_dtype, self.norm_eps, name="mlp_norm")(x)
         if self.moe is None:
-            h = Mlp(self.d_ff, self.mlp, self.out_std, self.param_dtype, self.dtype, name="mlp")(h)
+            h = Mlp(self.d_ff, self.mlp, self.out_std, self.param_dtype, self.dtype, self.fp8,
+                    name="mlp")(h)
         else:
-            moe = MoE(**dict(self.moe), param_dtype=self.param_dtype, dtype=self.dtype, name="moe")
+            experts = self.fp8 is not None and self.fp8.applies("experts")
+            moe = MoE(**dict(self.moe), param_dtype=self.param_dtype, dtype=self.dtype,
+                      fp8=self.fp8.recipe if experts else None, name="moe")
             h = moe(h, deterministic=deterministic)
         x = x + h.astype(x.dtype)
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), None

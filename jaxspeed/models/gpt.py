@@ -40,6 +40,8 @@ from jaxspeed.attention.sequence_parallel import from_layout, to_layout
 from jaxspeed.moe.layer import GATING_RNG
 from jaxspeed.moe.layer import METRICS as MOE_METRICS
 from jaxspeed.ops import matmul
+from jaxspeed.ops.fp8 import META as FP8_META
+from jaxspeed.ops.fp8 import Fp8Recipe
 from jaxspeed.ops import offload
 from jaxspeed.ops.losses import AUX_LOSS, STEP_METRICS
 from jaxspeed.ops.remat import checkpoint_policy
@@ -106,6 +108,8 @@ class GPT(nn.Module):
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
     stream_layers: Dtype | None = None
+    #: FP8 matmuls in the blocks (`jaxspeed.ops.fp8`); None: the compute dtype throughout
+    fp8: Fp8Recipe | None = None
     #: ZeRO-3 with explicit collectives (`jaxspeed.train.zero_step`): `(variables) ->
     #: variables` applied to each scanned unit's ZeRO-sharded params inside the step's
     #: `shard_map`, gathering them. The backward pass gathers them again, as DeepSpeed's
@@ -160,6 +164,7 @@ class GPT(nn.Module):
             dtype=self.dtype,
             norm_eps=self.norm_eps,
             moe=self.moe,
+            fp8=self.fp8,
         )
         unit_cls, kwargs = Block, block
         if self.moe is not None:
@@ -183,7 +188,8 @@ class GPT(nn.Module):
                                 static_argnums=(2,))
         scanned = nn.scan(
             unit_cls,
-            variable_axes={"params": 0, AUX_LOSS: 0, MOE_METRICS: 0, STEP_METRICS: 0, "cache": 0},
+            variable_axes={"params": 0, AUX_LOSS: 0, MOE_METRICS: 0, STEP_METRICS: 0, "cache": 0,
+                           FP8_META: 0},
             split_rngs={"params": True, GATING_RNG: True},
             in_axes=nn.broadcast,
             length=num_units,
@@ -283,7 +289,7 @@ _COPIED = (*architecture_keys(SHAPES, CONTEXT), "rope_theta")
 
 def build_gpt(
     model_cfg: ModelConfig | Any, *, remat_policy: str = "none", remat_names=(),
-    stream_layers=None,
+    stream_layers=None, fp8: Fp8Recipe | None = None,
 ) -> GPT:
     """Builds a `GPT` from the `model:` section.
 
@@ -294,6 +300,7 @@ def build_gpt(
       remat_names: `checkpoint_name` tags saved with policy "names".
       stream_layers: the dtype the scanned layers' host-resident params are fetched in, one
         unit at a time (see `GPT`); None: params arrive on the device.
+      fp8: the blocks' FP8 recipe (`jaxspeed.ops.fp8.Fp8Recipe`), or None.
 
     Returns:
       The (unbound) `GPT` module.
@@ -321,6 +328,7 @@ def build_gpt(
         moe=None if moe is None else tuple(sorted(_moe_options(moe, cfg).items())),
         moe_every=1 if moe is None else moe.every_n_layers,
         remat_policy=remat_policy, remat_names=tuple(remat_names), stream_layers=stream_layers,
+        fp8=fp8,
     )
 
 

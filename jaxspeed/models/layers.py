@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxspeed.ops import fp8 as fp8_ops
 from jaxspeed.ops import matmul
 
 Array = jax.Array
@@ -99,13 +100,15 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class Mlp(nn.Module):
-    """Feed-forward block: GELU or SwiGLU (Shazeer 2020), no biases."""
+    """Feed-forward block: GELU or SwiGLU (Shazeer 2020), no biases; its matmuls in FP8
+    where `fp8` applies to them."""
 
     d_ff: int
     kind: str
     out_std: float
     param_dtype: Dtype = jnp.float32
     dtype: Dtype | None = None
+    fp8: fp8_ops.Fp8Recipe | None = None
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -115,7 +118,8 @@ class Mlp(nn.Module):
 
         def project_in(name: str) -> Array:
             kernel = logical_param(self, name, ("embed", "mlp"), (embed, self.d_ff), std=INIT_STD)
-            return matmul.einsum("...e,ef->...f", x, cast(kernel, self.dtype))
+            return fp8_ops.project(self, name, "...e,ef->...f", x, cast(kernel, self.dtype),
+                                   self.fp8, matmul.einsum)
 
         if self.kind == "swiglu":
             h = swiglu(project_in("wi_gate"), project_in("wi_up"))
@@ -124,5 +128,6 @@ class Mlp(nn.Module):
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
         h = checkpoint_name(h, "mlp_hidden")
         wo = logical_param(self, "wo", ("mlp", "embed"), (self.d_ff, embed), std=self.out_std)
-        y = matmul.einsum("...f,fe->...e", h, cast(wo, self.dtype))
+        y = fp8_ops.project(self, "wo", "...f,fe->...e", h, cast(wo, self.dtype), self.fp8,
+                            matmul.einsum)
         return checkpoint_name(y, "mlp_out")

@@ -53,7 +53,7 @@ def exchange(x, routing: Routing, experts: ExpertParams, *, groups: int, opts: G
     """
     num_experts, capacity, width = opts.num_experts, routing.capacity, x.shape[1]
     if ep == 1:
-        ffn = split_ffn(experts, axis=tensor, activation=opts.activation)
+        ffn = split_ffn(experts, axis=tensor, activation=opts.activation, fp8=opts.fp8)
         return _on_buffer(x, routing, groups, opts, ffn), None
     hosts, hierarchical = opts.a2a_hosts or 1, opts.all_to_all == "hierarchical"
     # The tokens with their routing may cross instead of the slots, unless the slots go out in
@@ -85,7 +85,7 @@ def _exchange(strategy: str, x, routing: Routing, experts: ExpertParams, *, grou
               "expert_data": lambda w: gather_across_hosts(w, expert_axis, hosts=hosts)}
     if strategy in gather:
         experts = ExpertParams(*(None if w is None else gather[strategy](w) for w in experts))
-    ffn = split_ffn(experts, axis=split, activation=opts.activation)
+    ffn = split_ffn(experts, axis=split, activation=opts.activation, fp8=opts.fp8)
     if strategy == "data":
         return _on_buffer(x, routing, groups, opts, share(ffn))
 

@@ -55,10 +55,12 @@ def summed(fn: Callable, experts: ExpertParams, axis: str):
     return jax.lax.psum(fn(_first_only(experts, axis)), axis)
 
 
-def split_ffn(experts: ExpertParams, *, axis: str | None, activation: str) -> Callable:
+def split_ffn(experts: ExpertParams, *, axis: str | None, activation: str,
+              fp8: str | None = None) -> Callable:
     """`buf [E, S, M] -> [E, S, M]`: the experts' FFN with their hidden units split over `axis`
-    (None: not split), each device's share summed over `axis`."""
-    ffn = lambda params, buf: expert_ffn(buf, params, activation=activation)  # noqa: E731
+    (None: not split), each device's share summed over `axis`; in FP8 with recipe `fp8`."""
+    def ffn(params, buf):
+        return expert_ffn(buf, params, activation=activation, fp8=fp8)
     if axis is None:
         return functools.partial(ffn, experts)
     return lambda buf: summed(functools.partial(ffn, buf=buf), experts, axis)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.moe.grouped import grouped_matmul
+from jaxspeed.ops import fp8 as fp8_ops
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 
@@ -119,13 +120,15 @@ def _gelu_jvp(primals, tangents):
     return _gelu(x), (cdf + x * pdf) * dx
 
 
-def expert_ffn(x, params: ExpertParams, *, activation: str = "gelu"):
+def expert_ffn(x, params: ExpertParams, *, activation: str = "gelu", fp8: str | None = None):
     """Applies expert `e`'s FFN to its capacity buffer `x[e]`, for every expert at once.
 
     Args:
       x: `[E, C, M]` dispatched tokens.
       params: `ExpertParams` with `E` experts.
       activation: "relu", "gelu" or "swiglu" (`silu(x @ w_gate) * (x @ w_in)`).
+      fp8: None, or the FP8 recipe the matmuls run in (`tensorwise` or `rowwise`: each
+        expert's own scales under `rowwise`, one per buffer under `tensorwise`).
 
     Returns:
       `[E, C, M]` in `x`'s dtype; matmuls accumulate and activations run in fp32.
@@ -134,6 +137,9 @@ def expert_ffn(x, params: ExpertParams, *, activation: str = "gelu"):
     f32 = jnp.float32
 
     def matmul(a, w):
+        if fp8 is not None:
+            return fp8_ops.einsum("ecm,emh->ech", a, w.astype(x.dtype), recipe=fp8,
+                                  preferred_element_type=f32)
         return jnp.einsum("ecm,emh->ech", a, w.astype(x.dtype), preferred_element_type=f32)
 
     def project(w, b):

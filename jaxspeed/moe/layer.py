@@ -46,10 +46,10 @@ def _normal(fan_in: int):
     return nn.initializers.normal(stddev=1.0 / math.sqrt(fan_in))
 
 
-def _dense_ffn(x, w_in, w_out, w_gate, activation):
+def _dense_ffn(x, w_in, w_out, w_gate, activation, fp8=None):
     """One FFN `[T, M] -> [T, M]` with `expert_ffn`'s numerics (fp32 accumulate/activation)."""
     params = ExpertParams(w_in[None], w_out[None], None if w_gate is None else w_gate[None])
-    return expert_ffn(x[None], params, activation=activation)[0]
+    return expert_ffn(x[None], params, activation=activation, fp8=fp8)[0]
 
 
 def _links(cluster: Any) -> Links | None:
@@ -214,6 +214,8 @@ class MoE(nn.Module):
       param_dtype: dtype the params are created in.
       dtype: compute dtype of the experts; None = the dtype the expert params arrive in. The
         router always computes in fp32. The output has `x`'s dtype.
+      fp8: None, or the FP8 recipe of the experts' (and the shared and residual FFNs')
+        matmuls: `tensorwise` or `rowwise` (`jaxspeed.ops.fp8`).
     """
 
     num_experts: int
@@ -246,6 +248,7 @@ class MoE(nn.Module):
     expert_axis: str = "expert"
     param_dtype: Any = jnp.float32
     dtype: Any = None
+    fp8: str | None = None
 
     def _param(self, name, names, shape, fan_in):
         init = nn.with_logical_partitioning(_normal(fan_in), names)
@@ -314,7 +317,7 @@ class MoE(nn.Module):
             activation=self.activation, impl=self.impl, eval_mode=deterministic,
             dynamic_capacity=self.dynamic_capacity, routing=self.routing,
             a2a_chunks=self.a2a_chunks, all_to_all=self.all_to_all, a2a_hosts=self.a2a_hosts,
-            parallelism=self.parallelism, cluster=_links(self.cluster))
+            parallelism=self.parallelism, cluster=_links(self.cluster), fp8=self.fp8)
         bias = None
         if self.balance == "bias":
             bias = self.param(BIAS_PARAM, nn.with_logical_partitioning(nn.initializers.zeros,
@@ -327,7 +330,7 @@ class MoE(nn.Module):
 
         if self.use_residual:
             dense = _dense_ffn(h, *self._ffn_params("residual_", width, self.d_ff, self.d_ff,
-                                                    expert=False), self.activation)
+                                                    expert=False), self.activation, self.fp8)
             coef_kernel = self._param("residual_coef_kernel", ("embed", None), (width, 2), width)
             coef_bias = self.param(
                 "residual_coef_bias", nn.with_logical_partitioning(nn.initializers.zeros,
@@ -340,7 +343,7 @@ class MoE(nn.Module):
         if self.num_shared_experts:
             hidden = self.num_shared_experts * self.d_ff
             shared = _dense_ffn(h, *self._ffn_params("shared_", width, hidden, self.d_ff,
-                                                     expert=False), self.activation)
+                                                     expert=False), self.activation, self.fp8)
             y = y + shared.astype(jnp.float32)
 
         balance = jnp.mean(out.aux_loss)

@@ -79,6 +79,7 @@ class GatingOptions:
     a2a_hosts: int | None = None  #: hosts the expert axis spans; None: its processes
     parallelism: str = "expert"  #: `jaxspeed.moe.strategies.PARALLELISMS`
     cluster: Links | None = None  #: the links `parallelism="auto"` prices (`strategies.links_of`)
+    fp8: str | None = None  #: the experts' FP8 recipe (`jaxspeed.ops.fp8`), or None
 
     @property
     def needs_rng(self) -> bool:

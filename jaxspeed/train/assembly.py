@@ -16,6 +16,7 @@ from jaxspeed.config import Config
 from jaxspeed.config.optimizer import ONEBIT_TYPES
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops import precision
+from jaxspeed.ops.fp8 import Fp8Recipe
 from jaxspeed.pipeline.model import pipelined_lm_objective
 from jaxspeed.runtime.mesh import DATA_PARALLEL_AXES, PIPE, SEQUENCE, TENSOR
 from jaxspeed.train.adapters import ModelFns, token_features
@@ -95,7 +96,16 @@ def reference_gpt(config: Config):
     return build_gpt(
         config.model, remat_policy=remat.policy, remat_names=remat.names,
         stream_layers=precision.compute_dtype(config) if stream else None,
+        fp8=fp8_recipe(config),
     )
+
+
+def fp8_recipe(config: Config) -> Fp8Recipe | None:
+    """The model's FP8 recipe from `config.fp8`, or None when FP8 is off."""
+    fp8 = config.fp8
+    if not fp8.enabled:
+        return None
+    return Fp8Recipe(fp8.recipe, fp8.amax_history_length, tuple(fp8.skip))
 
 
 def step_objective(config: Config, mesh: Mesh, fns: ModelFns, loss_fn, model):
