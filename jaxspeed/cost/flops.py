@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxspeed.cost.hlo import (
-    Instruction, array_bytes, branches, callees, collective_bytes, collective_kind,
+    Dot, Instruction, array_bytes, branches, callees, collective_bytes, collective_kind,
     operands, parse, parse_dot, to_apply, trip_count,
 )
 from jaxspeed.cost.cross_host import cross_host_bytes, cross_host_messages
@@ -80,7 +80,7 @@ def _add(*parts: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(sum(p[i] for p in parts if i < len(p)) for i in range(width))
 
 
-def _bytes_moved(ins: Instruction, own: dict[str, list[Instruction]], types: dict[str, str]) -> int:
+def bytes_moved(ins: Instruction, own: dict[str, list[Instruction]], types: dict[str, str]) -> int:
     """What an instruction reads and writes in device memory: its operands and its result (a
     fusion's inside stays in registers and cache), or for an in-place update its update only."""
     result = sum(array_bytes(ins.type_text))
@@ -98,20 +98,26 @@ def memory_traffic(hlo_text: str) -> int:
     unlike it, a loop body counts once per iteration, and a conditional counts its costliest
     branch (one runs).
     """
-    return int(sum(_fold(hlo_text, lambda ins, own, types: (_bytes_moved(ins, own, types),))))
+    return int(sum(_fold(hlo_text, lambda ins, own, types: (bytes_moved(ins, own, types),))))
 
 
-def _matmul_flops(ins: Instruction, own: dict[str, list[Instruction]], types: dict[str, str], depth: int = 0) -> int:
-    """FLOPs of a `dot` (2 x output elements x contracted size), or of the dots a fusion calls."""
+def fused_dots(ins: Instruction, own: dict[str, list[Instruction]], types: dict[str, str], depth: int = 0) -> list[Dot]:
+    """The `dot`s an instruction runs: itself if it is one, else those its fusion calls (nested
+    fusions included). `types`: the result types of the instruction's computation by name."""
     if ins.op == "dot":
         dot = parse_dot(ins, types)
-        return dot.flops if dot is not None else 0
-    flops = 0
+        return [dot] if dot is not None else []
+    found = []
     for role, callee in callees(ins) if ins.op == "fusion" and depth < 16 else ():
         body = own.get(callee, []) if role == "calls" else []
         inner = {i.name: i.type_text for i in body}
-        flops += sum(_matmul_flops(i, own, inner, depth + 1) for i in body)
-    return flops
+        found += [dot for i in body for dot in fused_dots(i, own, inner, depth + 1)]
+    return found
+
+
+def _matmul_flops(ins: Instruction, own: dict[str, list[Instruction]], types: dict[str, str]) -> int:
+    """FLOPs of a `dot` (2 x output elements x contracted size), or of the dots a fusion calls."""
+    return sum(dot.flops for dot in fused_dots(ins, own, types))
 
 
 def roofline_seconds(hlo_text: str, *, flops_per_s: float, bytes_per_s: float) -> dict[str, float]:
@@ -132,7 +138,7 @@ def roofline_seconds(hlo_text: str, *, flops_per_s: float, bytes_per_s: float) -
         if collective_kind(ins.op):
             return (0.0, 0.0, 0.0)
         flops = _matmul_flops(ins, own, types)
-        compute, memory = flops / flops_per_s, _bytes_moved(ins, own, types) / bytes_per_s
+        compute, memory = flops / flops_per_s, bytes_moved(ins, own, types) / bytes_per_s
         return (compute, 0.0, flops) if compute >= memory else (0.0, memory, flops)
 
     compute, memory, flops = _fold(hlo_text, cost) or (0.0, 0.0, 0.0)

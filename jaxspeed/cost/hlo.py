@@ -340,6 +340,49 @@ def parse_dot(ins: Instruction, types: dict[str, str], executions: int = 1) -> D
     )
 
 
+_GEMM_DIMS = re.compile(r'"(lhs|rhs)_(contracting|batch)_dimensions":\[([^\]]*)\]')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def custom_call_target(ins: Instruction) -> str | None:
+    """A custom call's target (`__cublas$gemm`, `__cudnn$fmhaSoftmax`, ...); None otherwise."""
+    target = _TARGET.search(ins.tail) if ins.op == "custom-call" else None
+    return target.group(1) if target else None
+
+
+def parse_gemm(ins: Instruction, types: dict[str, str], executions: int = 1) -> Dot | None:
+    """The `Dot` of a library matmul: a cuBLAS/cuBLASLt custom call (`__cublas$gemm`,
+    `__cublas$lt$matmul`, `__cublas$lt$matmul$f8`), whose first two operands are the matrices
+    and whose `backend_config` holds the dimension numbers; or the first matmul (`bmm1`, Q·Kᵀ)
+    of a cuDNN fused attention (`__cudnn$fmha...`). None for other instructions, or where the
+    operands' types are not in `types`."""
+    target = custom_call_target(ins) or ""
+    if not target.startswith(("__cublas$", "__cudnn$fmha")):
+        return None
+    config = ins.tail
+    if target.startswith("__cudnn$fmha"):
+        found = re.search(r'"bmm1(?:_grad_gemm1)?_dot_dimension_numbers":\{([^}]*)\}', config)
+        if found is None:
+            return None
+        config = found.group(1)
+    names = operands(ins)[:2]
+    arrays = [_ARRAY.search(types.get(o, "")) for o in names] + [_ARRAY.search(ins.type_text)]
+    if len(names) < 2 or None in arrays:
+        return None
+    lhs, rhs, result = arrays
+    dims = {(side, kind): tuple(int(d) for d in re.findall(r"\d+", numbers))
+            for side, kind, numbers in _GEMM_DIMS.findall(config)}
+    return Dot(
+        lhs=tuple(_dims(lhs.group(0))), rhs=tuple(_dims(rhs.group(0))),
+        dtypes=(lhs.group(1), rhs.group(1), result.group(1)),
+        dimension_numbers=(
+            (dims.get(("lhs", "contracting"), ()), dims.get(("rhs", "contracting"), ())),
+            (dims.get(("lhs", "batch"), ()), dims.get(("rhs", "batch"), ())),
+        ),
+        executions=executions,
+    )
+
+
 def dots(hlo_text: str) -> list[Dot]:
     """Every `dot` instruction a run of the program reaches (fused ones included), from
     optimized HLO text, in the order of the text. Matmuls compiled to library calls (cuBLAS

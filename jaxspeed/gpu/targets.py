@@ -26,6 +26,7 @@ class GpuTarget:
     compute_capability: tuple[int, int]
     memory_bytes: int
     shared_memory_per_block_optin: int
+    memory_bandwidth: float  #: HBM bytes/s (`memory_bandwidth`, the datasheet's figure)
 
     @property
     def capability(self) -> str:
@@ -68,4 +69,5 @@ def load(name: str) -> GpuTarget:
         compute_capability=(int(capability.group(1)), int(capability.group(2))),
         memory_bytes=int(_field(text, "device_memory_size")),
         shared_memory_per_block_optin=int(_field(text, "shared_memory_per_block_optin")),
+        memory_bandwidth=float(_field(text, "memory_bandwidth")),
     )
