@@ -65,7 +65,7 @@ test-jax-min: $(STAMP)
 # H100/H200/A100 without a GPU. The kernels' GPU interpret-mode tests run in `make test`.
 VENV_GPU ?= .venv-gpu
 GPU_COMPILE_TESTS := tests/test_gpu_compile.py tests/test_block_sparse_attention_mgpu.py \
-                     tests/test_moe_kernels_mgpu.py tests/test_moe_a2a_gpu.py
+                     tests/test_moe_kernels_mgpu.py tests/test_moe_a2a_gpu.py tests/test_roofline_gpu.py
 test-gpu-compile: $(STAMP)
 	test -x $(VENV_GPU)/bin/python || $(PY) -m venv $(VENV_GPU)
 	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip

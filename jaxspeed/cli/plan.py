@@ -104,6 +104,7 @@ def plan_command(args) -> int:
             budget = cluster.device_memory_bytes if cluster is not None else spec.memory_bytes
         report["target"] = {"gpu": spec.name, "device_kind": spec.device_kind, "devices": count,
                             "cluster": cluster.name if cluster is not None else None}
+        report.update(step_prediction(engine, spec.name))
     verdict = engine_verdict(engine, budget) if budget is not None else None
     report["fit"] = verdict.to_dict() if verdict is not None else None
     if args.json:
@@ -117,7 +118,34 @@ def plan_command(args) -> int:
 
             print()
             print("\n".join(format_predicted(report["predicted"])))
+        if target is not None:
+            from jaxspeed.cost.report import format_roofline
+
+            print()
+            print("\n".join(format_roofline(report)))
     return 0
+
+
+def step_prediction(engine, target: str, *, efficiency: float | None = None) -> dict:
+    """The roofline of `engine`'s compiled train step on the GPU `target`
+    (`jaxspeed.cost.roofline.predict`): predicted step seconds, MFU and HFU per device, model
+    FLOPs as `metrics.jsonl` counts them (`model_train_flops`). The engine's mesh must be that
+    GPU's devices (deviceless or real)."""
+    from jaxspeed.cost import roofline
+    from jaxspeed.cost.flops import model_train_flops
+    from jaxspeed.cost.peaks import gpu_peaks
+    from jaxspeed.gpu import targets
+
+    spec = targets.load(target)
+    config = engine.config
+    tokens = engine.batch_sizes.train_batch_size * config.data.seq_len
+    model_flops = model_train_flops(config.model, tokens=tokens, seq_len=config.data.seq_len,
+                                    param_count=engine.param_count)
+    return roofline.predict(
+        engine.compile_train_step().as_text(), peaks=gpu_peaks(spec.device_kind),
+        hbm=spec.memory_bandwidth, model_flops=model_flops / engine.mesh.size,
+        num_devices=engine.mesh.size,
+        efficiency=roofline.MATMUL_EFFICIENCY if efficiency is None else efficiency)
 
 
 def _hosts_of(config, cluster, devices: int):

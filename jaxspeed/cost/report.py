@@ -126,3 +126,24 @@ def format_plan(report: dict[str, Any]) -> str:
         if source != COMPILED:
             lines.append(f"(the verdict compares device memory needed, source: {source})")
     return "\n".join(lines)
+
+
+def format_roofline(report: dict[str, Any]) -> list[str]:
+    """The predicted step of `plan --target` (`jaxspeed.cost.roofline.predict`): its time,
+    MFU and HFU, and its costliest ops."""
+    mfu, hfu = report["predicted_mfu"], report["predicted_hfu"]
+    by = report["seconds_by_bound"]
+    lines = [
+        f"predicted step {report['predicted_step_seconds'] * 1e3:.1f} ms (roofline per op, "
+        f"matmuls at {report['matmul_efficiency']:.0%} of peak): "
+        f"MFU {mfu:.1%} (model FLOPs), HFU {hfu:.1%} (the program's matmul FLOPs, recomputation "
+        f"included), both against the dense bf16 peak "
+        f"{report['peak_bf16_flops'] / 1e12:.0f} TFLOP/s",
+        f"  compute-bound {by['compute'] * 1e3:.1f} ms, memory-bound {by['memory'] * 1e3:.1f} ms, "
+        f"collectives {by['link'] * 1e3:.1f} ms",
+        "  costliest ops (ms per step, x executions):",
+    ]
+    lines += [f"    {op['seconds'] * 1e3:8.2f}  x{op['executions']:<4d} {op['kind']:10s} "
+              f"{op['bound']:7s} {op['name']}  {op['source'][-60:]}"
+              for op in report["top_ops"]]
+    return lines

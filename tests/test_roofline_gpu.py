@@ -1,0 +1,51 @@
+"""`jaxspeed plan --target`'s predicted step (`jaxspeed.cost.roofline`) on a program XLA:GPU
+compiled without a GPU: a 2-layer model of `configs/llama_1b.yaml`'s shape (grouped-query
+attention, SwiGLU, RMSNorm, Llama 3 rotary), one H100. Needs the gpu-compile extra."""
+
+import json
+
+import pytest
+from gpu_compile import needs_gpu_compile
+
+from jaxspeed.cli import main
+from jaxspeed.config import load_config
+from jaxspeed.cost.flops import model_train_flops
+from jaxspeed.cost.peaks import GPU_PEAKS
+
+#: llama_1b's keys, at a size that compiles in seconds
+TINY_LLAMA = ["model.vocab_size=512", "model.d_model=256", "model.n_layers=2", "model.n_heads=4",
+              "model.n_kv_heads=2", "model.d_ff=512", "model.max_seq_len=256", "data.seq_len=256",
+              "train_micro_batch_size_per_device=2"]
+
+
+def plan(capsys, *extra: str) -> str:
+    args = ["plan", "configs/llama_1b.yaml", "--target", "h100", "--devices", "1", *extra]
+    for override in TINY_LLAMA:
+        args += ["--set", override]
+    assert main(args) == 0
+    return capsys.readouterr().out
+
+
+@needs_gpu_compile
+def test_plan_json_predicts_step_time_mfu_and_hfu(capsys):
+    report = json.loads(plan(capsys, "--json"))
+    seconds, mfu = report["predicted_step_seconds"], report["predicted_mfu"]
+    assert 0 < seconds < 1 and 0 < mfu < 1 and 0 < report["predicted_hfu"] < 1
+    config = load_config("configs/llama_1b.yaml", overrides=TINY_LLAMA)
+    model = model_train_flops(config.model, tokens=2 * 256, seq_len=256, param_count=0)
+    assert report["model_flops"] == pytest.approx(model)
+    assert mfu == pytest.approx(model / seconds / GPU_PEAKS["H100"].bf16)
+    # the program's matmuls: every projection, forward and backward, at least 6N per token
+    assert report["program_flops"] >= 0.9 * model
+    by_bound = report["seconds_by_bound"]
+    assert sum(by_bound.values()) == pytest.approx(seconds) and by_bound["link"] == 0
+    top = report["top_ops"]
+    assert top and all(op["seconds"] > 0 for op in top)
+    assert [op["seconds"] for op in top] == sorted((op["seconds"] for op in top), reverse=True)
+
+
+@needs_gpu_compile
+def test_plan_prints_the_predicted_step(capsys):
+    out = plan(capsys)
+    assert "predicted step" in out and "MFU" in out and "HFU" in out
+    assert "costliest ops" in out
