@@ -374,3 +374,44 @@ def test_gpu_engine_steps_compile_for_h200():
         report = initialize(config, mesh=make_mesh(config.mesh, devices=devices)).memory_report()
         assert report["source"] == "compiled-gpu"
         assert 0 < report["per_device_bytes"]["device"] < targets.load("h200").memory_bytes
+
+
+# ---- FP8: every projection's GEMMs read FP8 operands on the GPU -----------------------------
+
+
+def _fp8_gemm_flops(text: str) -> tuple[int, int]:
+    """(FLOPs of the dots that read FP8 operands, FLOPs of the others), per run, per device."""
+    from jaxspeed.cost import hlo
+
+    fp8, other = 0, 0
+    for dot in hlo.dots(text):
+        flops = dot.flops * dot.executions
+        if any(dtype.startswith("f8") for dtype in dot.dtypes[:2]):
+            fp8 += flops
+        else:
+            other += flops
+    return fp8, other
+
+
+@needs_gpu_compile
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_train_step_runs_every_projection_gemm_in_fp8_on_h100(recipe):
+    """The FP8 step of `configs/gpt_zero3.yaml` for 8 x H100: the FLOPs of the dots reading f8
+    operands (XLA:GPU's GEMM fusions; cuBLASLt's FP8 calls would be custom calls, none here)
+    are exactly those of the projections' three GEMMs (forward, input and weight gradients)
+    in every layer, so a single GEMM silently left in bf16 fails it."""
+    config = load_config("configs/gpt_zero3.yaml",
+                         overrides=["fp8.enabled=true", f"fp8.recipe={recipe}"])
+    engine = initialize(config, mesh=make_mesh(config.mesh, devices=deviceless.devices("h100", 8)))
+    text = engine.compile_train_step().as_text()
+    m = config.model
+    tokens = config.train_micro_batch_size_per_device * config.data.seq_len
+    projections = 4 * m.d_model**2 + 2 * m.d_model * m.d_ff  # q, k, v, out; wi, wo
+    fp8, other = _fp8_gemm_flops(text)
+    assert fp8 == 3 * 2 * tokens * projections * m.n_layers
+    assert "__cublas$lt$matmul" not in text.replace("__cublas$lt$matmul$f8", "")
+    # What stays in bf16/fp32: attention (q.k and p.v forward, four dots backward, causal
+    # masking computes the whole square) and the LM head's three GEMMs.
+    attention = 6 * 2 * tokens * config.data.seq_len * m.d_model * m.n_layers
+    head = 3 * 2 * tokens * m.d_model * m.vocab_size
+    assert other == attention + head
