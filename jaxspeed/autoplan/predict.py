@@ -75,6 +75,7 @@ def onebit_alternatives(config: Any, plan: Candidate, cluster: Any) -> list[dict
             "optimizer": variant, "zero_stage": 0, "step_seconds": est.step_s,
             "tokens_per_second": est.tokens_per_second, "comm_seconds": est.comm_s,
             "cross_host_bytes": est.cross_host_bytes,
+            "base_step_seconds": base.step_s,  # the plan's own step, analytic as well
             "speedup": base.step_s / est.step_s if est.step_s else 0.0,
             "device_bytes": est.device_bytes,
         })

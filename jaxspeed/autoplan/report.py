@@ -13,7 +13,7 @@ from jaxspeed.config import Config
 from jaxspeed.sharding.explain import format_bytes
 
 _HEADER = ("#", "mesh", "zero", "zero++", "remat", "micro x accum", "schedule", "offload",
-           "memory/device", "step", "tokens/s", "cross-host/step", "MFU", "bound", "source")
+           "memory/device", "step", "tokens/s", "cross-host/step", "MFU", "HFU", "bound", "source")
 
 
 def _seconds(s: float) -> str:
@@ -30,7 +30,7 @@ def rows(ranked: list[Ranked]) -> list[tuple[str, ...]]:
         out.append((str(i), mesh, str(p.stage), zeropp, p.remat, f"{p.micro_batch} x {p.accumulation}",
                     p.schedule or "-", p.offload, format_bytes(r.device_bytes), _seconds(r.step_s),
                     f"{r.tokens_per_s:,.0f}", format_bytes(int(r.analytic.cross_host_bytes)),
-                    f"{r.mfu:.1%}", r.bound, r.source))
+                    f"{r.mfu:.1%}", f"{r.hfu:.1%}", r.bound, r.source))
     return out
 
 
@@ -41,7 +41,9 @@ def format_table(ranked: list[Ranked], cluster: Any) -> str:
     lines = [
         f"cluster {cluster.name}: {cluster.hosts} x {cluster.devices_per_host} devices, "
         f"{format_bytes(cluster.device_memory_bytes)} each; efficiency {cluster.efficiency:.2f} of peak; "
-        "communication not overlapped with compute (the model's one stated assumption)",
+        "communication not overlapped with compute (the model's one stated assumption); "
+        "MFU: model FLOPs (6N + causal attention per token), HFU: the FLOPs the step runs "
+        "(remat's recomputation included), both per device over the step and the peak",
     ]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     return "\n".join(lines)
@@ -50,7 +52,8 @@ def format_table(ranked: list[Ranked], cluster: Any) -> str:
 def to_dict(ranked: Ranked) -> dict[str, Any]:
     return {"plan": ranked.plan.describe(), "overrides": ranked.plan.overrides(),
             "device_bytes": ranked.device_bytes, "step_s": ranked.step_s,
-            "tokens_per_s": ranked.tokens_per_s, "mfu": ranked.mfu, "bound": ranked.bound,
+            "tokens_per_s": ranked.tokens_per_s, "mfu": ranked.mfu, "hfu": ranked.hfu,
+            "bound": ranked.bound,
             "source": ranked.source, "analytic_step_s": ranked.analytic.step_s,
             "analytic_comm_s": ranked.analytic.comm_by_kind,
             "cross_host_bytes": ranked.analytic.cross_host_bytes,
@@ -60,14 +63,19 @@ def to_dict(ranked: Ranked) -> dict[str, Any]:
 
 
 def format_alternatives(alternatives: list[dict[str, Any]], optimizer: str) -> list[str]:
-    """Lines on what the 1-bit variants of `optimizer` would do to the best plan's step."""
+    """Lines on what the 1-bit variants of `optimizer` would do to the best plan's step: each
+    variant's analytic step against the best plan's analytic step (one basis: the table's
+    step may be compiled, and is not compared)."""
     if not alternatives:
         return []
+    base = alternatives[0]["base_step_seconds"]
     lines = [f"the config's optimizer ({optimizer}) is kept; its 1-bit variants after their "
-             "freeze, at ZeRO-0, would give (analytic):"]
+             f"freeze, at ZeRO-0, analytic, against plan #1's analytic step "
+             f"({_seconds(base)}; the table's step may be compiled):"]
     lines += [f"  {a['optimizer']:12s} {a['tokens_per_second']:>12,.0f} tokens/s  "
-              f"step {_seconds(a['step_seconds'])}  {a['speedup']:.2f}x  cross-host "
-              f"{format_bytes(int(a['cross_host_bytes']))}/step" for a in alternatives]
+              f"step {_seconds(a['step_seconds'])}  {a['speedup']:.2f}x plan #1's analytic "
+              f"step  cross-host {format_bytes(int(a['cross_host_bytes']))}/step"
+              for a in alternatives]
     return lines
 
 

@@ -40,7 +40,7 @@ from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.cost.memory import COMPILED_GPU
 from jaxspeed.ops.precision import compute_dtype
 from jaxspeed.runtime.progress import Progress, phase
-from jaxspeed.cost.flops import roofline_seconds
+from jaxspeed.cost.flops import model_train_flops, roofline_seconds
 from jaxspeed.cost.hlo import collectives
 
 
@@ -56,7 +56,11 @@ class Ranked:
     bound: str
     source: str  #: "compiled" (XLA:CPU), "compiled-gpu" (XLA:GPU), "... (proxy data=N)", "analytic"
     tokens_per_s: float = 0.0
+    #: model FLOPs (`cost.flops.model_train_flops`: 6·N + causal attention per token, no
+    #: recomputation) per device over the step time and the peak: what `metrics.jsonl` reports
     mfu: float = 0.0
+    #: `flops` (what the step runs: remat's recomputation included) over the step and the peak
+    hfu: float = 0.0
 
 
 class NoPlanFits(JaxspeedError):
@@ -69,8 +73,13 @@ def _tokens(config: Config, plan: Candidate) -> int:
 
 
 def _finish(config: Config, cluster: Any, ranked: Ranked) -> Ranked:
-    ranked.tokens_per_s = _tokens(config, ranked.plan) / ranked.step_s
-    ranked.mfu = ranked.flops / ranked.step_s / cluster.peak_flops(compute_dtype(config).name)
+    tokens = _tokens(config, ranked.plan)
+    ranked.tokens_per_s = tokens / ranked.step_s
+    peak = cluster.peak_flops(compute_dtype(config).name)
+    model_flops = model_train_flops(config.model, tokens=tokens, seq_len=config.data.seq_len,
+                                    param_count=0) / math.prod(ranked.plan.sizes.values())
+    ranked.mfu = model_flops / ranked.step_s / peak
+    ranked.hfu = ranked.flops / ranked.step_s / peak
     return ranked
 
 
