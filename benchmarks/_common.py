@@ -152,3 +152,20 @@ def interleaved_seconds(
             jax.block_until_ready(calls[name]())
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def predict_deviceless(config, target: str, *, efficiency: float | None = None) -> dict:
+    """The roofline prediction (`jaxspeed plan --target`'s `predicted_*` figures) of `config`'s
+    train step, compiled by XLA:GPU for one `target` GPU without a GPU. Needs the gpu-compile
+    extra (`jaxspeed.gpu.deviceless.missing()` says why not) and JAX on its CPU platform."""
+    from jaxspeed.cli.plan import step_prediction
+    from jaxspeed.gpu import deviceless
+    from jaxspeed.runtime.mesh import make_mesh
+    from jaxspeed.train.engine import initialize
+
+    devices = deviceless.devices(target, 1)
+    engine = initialize(config, mesh=make_mesh(config.mesh, devices=devices))
+    analysis = engine.compile_train_step().memory_analysis()
+    return {**step_prediction(engine, target, efficiency=efficiency),
+            "device_bytes": analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+            - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one script, in under 10 minutes on one H200 (a lent machine's budget is 15).
 #
-#   benchmarks/gpu_suite.sh            on a GPU: (a) the Pallas kernels, compiled (not
+#   benchmarks/gpu_suite.sh            on a GPU: first gpu_mfu (llama_1b's tokens/s, MFU and
+#                                      HFU in bf16 and FP8, 50 steps each); then (a) the Pallas kernels, compiled (not
 #                                      interpreted), against their jnp references: forward and
 #                                      gradients, fp32 and bf16; (b) gpu_engine,
 #                                      gpu_sparse_attention, gpu_moe and gpu_offload, each with
@@ -16,9 +17,10 @@
 #                                      detection on), the train steps of the six GPU configs
 #                                      compiled for 8 x H100; the kernel tests (a) would run
 #                                      listed, and each benchmark at tiny sizes on the CPU with
-#                                      the options (b) uses
+#                                      the options (b) uses; first, gpu_mfu --dry-run: llama_1b
+#                                      compiled for one H100, its predicted step and MFU
 #
-# Each part runs under `timeout` and the GPU limits add up to 575 s, so the whole run ends within
+# Each part runs under `timeout` and the GPU limits add up to 600 s, so the whole run ends within
 # 10 minutes whatever hangs; a part that fails or runs out of time is named and the rest still
 # run, and ONLY=kernels,gpu_moe (part names, comma-separated) reruns just those. Each part's wall time is printed, to rebalance the limits after a real run. PYTHON picks
 # the interpreter (default: .venv/bin/python, else python3). Results go to $OUT (the device
@@ -63,6 +65,7 @@ OFFLOAD_ARGS=(--modes device all_host --steps 3)
 
 case "${1:-}" in
 --dry-run)
+  part gpu_mfu 600 "$PY" benchmarks/gpu_mfu.py --dry-run
   part lowering 600 "$PY" -m pytest -q -p no:cacheprovider "${KERNEL_TESTS[@]}" -k lowers
   part compiles 600 "$PY" -m pytest -q -p no:cacheprovider -n 2 -m gpu_compile "${COMPILE_TESTS[@]}"
   part kernels 600 "$PY" -m pytest -q -p no:cacheprovider --collect-only "${KERNEL_TESTS[@]}" \
@@ -74,11 +77,13 @@ case "${1:-}" in
   part gpu_attention 600 "$PY" benchmarks/blocked_attention.py --gpu --cpu-check
   ;;
 "")
-  # Budget (s), compile times included: preflight 20 + kernels 70 + gpu_engine 75 +
-  # gpu_sparse_attention 70 + gpu_moe 200 + gpu_offload 110 + gpu_attention 30 = 575. The first
+  # Budget (s), compile times included: preflight 20 + gpu_mfu 135 + kernels 55 + gpu_engine 65
+  # + gpu_sparse_attention 50 + gpu_moe 160 + gpu_offload 90 + gpu_attention 25 = 600. The first
   # H200 run (2026-12-04) took kernels 27, gpu_engine 41, gpu_sparse_attention 37,
-  # gpu_attention 15; gpu_moe ran past its 80 then. The second, on another H200, took kernels
-  # 45 and gpu_engine 56 (compiles 1.4-1.7x slower), hence the margins.
+  # gpu_attention 15; gpu_moe ran past its 80 then (it needs about 130). The second, on another
+  # H200, took kernels 45 and gpu_engine 56 (compiles 1.4-1.7x slower). gpu_mfu (two 1B
+  # compiles, 2 x 50 steps of about 0.5 s predicted) came first in 2026-12 and took the
+  # others' margins; it has not run on a GPU yet, so its 135 s is an estimate.
   timeout -k 2 20 "$PY" - <<'EOF' || { echo "gpu_suite.sh: preflight failed" >&2; exit 2; }
 import sys
 try:
@@ -96,14 +101,15 @@ EOF
   # the GPU, compiled as a user's program is. Their error model (tests/numerics.py) takes fp32
   # matmuls as fp32 sums of fp32 products; XLA and Triton default to TF32 inputs on the GPU,
   # so fp32 runs at "highest" precision (bf16 operands are unaffected).
-  part kernels 70 env JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest \
+  part gpu_mfu 135 "$PY" benchmarks/gpu_mfu.py
+  part kernels 55 env JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest \
     JAXSPEED_TEST_XLA_OPT=default "$PY" -m pytest -q -p no:cacheprovider "${KERNEL_TESTS[@]}" \
     -k "$KERNEL_SELECT"
-  part gpu_engine 75 "$PY" benchmarks/gpu_engine.py
-  part gpu_sparse_attention 70 "$PY" benchmarks/gpu_sparse_attention.py
-  part gpu_moe 200 "$PY" benchmarks/gpu_moe.py
-  part gpu_offload 110 "$PY" benchmarks/gpu_offload.py "${OFFLOAD_ARGS[@]}"
-  part gpu_attention 30 "$PY" benchmarks/blocked_attention.py --gpu
+  part gpu_engine 65 "$PY" benchmarks/gpu_engine.py
+  part gpu_sparse_attention 50 "$PY" benchmarks/gpu_sparse_attention.py
+  part gpu_moe 160 "$PY" benchmarks/gpu_moe.py
+  part gpu_offload 90 "$PY" benchmarks/gpu_offload.py "${OFFLOAD_ARGS[@]}"
+  part gpu_attention 25 "$PY" benchmarks/blocked_attention.py --gpu
   ;;
 *) echo "usage: benchmarks/gpu_suite.sh [--dry-run]" >&2; exit 2 ;;
 esac
