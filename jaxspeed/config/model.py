@@ -128,8 +128,9 @@ def _options(cls: type, *, skip: Sequence[str]) -> dict[str, Any]:
 
 # -------------------------------------------------------------------------------------- moe
 
-#: `MoE` attributes a config does not set: the mesh axis and the dtypes come from the plan.
-_MOE_FIXED = ("expert_axis", "param_dtype", "dtype", "parent", "name")
+#: `MoE` attributes a config does not set: the mesh axis and the dtypes come from the plan, the
+#: experts' FP8 recipe from the top-level `fp8:` block.
+_MOE_FIXED = ("expert_axis", "param_dtype", "dtype", "fp8", "parent", "name")
 
 MoeConfig = create_model(
     "MoeConfig",

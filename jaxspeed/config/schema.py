@@ -171,9 +171,6 @@ class ZeroConfig(_Section):
     zero_hpz_partition_size: _PositiveInt = 1
     #: qgZ's bits per gradient value: 4 (packed two to a byte, ZeRO++'s choice) or 8.
     quantized_gradient_bits: Annotated[Literal[4, 8], BeforeValidator(_not_bool)] = 4
-    #: Stage 3 with `fp8.enabled` (recipe tensorwise): gather the weights already cast to FP8,
-    #: with their scales (torchtitan's float8 all-gather), half the bytes of bf16.
-    fp8_all_gather: _Bool = False
     #: Elements per fp32 scale in qwZ / qgZ's block quantization (even).
     quantization_block_size: _PositiveInt = 256
     #: Stage 3 with explicit collectives: the most elements one full-precision gradient
@@ -419,14 +416,7 @@ class Config(_Section):
 
     def _check_fp8(self) -> None:
         """The FP8 combinations that do not work together, each naming both keys."""
-        fp8, zero, moe = self.fp8, self.zero_optimization, self.model.moe
-        if zero.fp8_all_gather and not (fp8.enabled and fp8.recipe == "tensorwise"
-                                        and zero.stage == 3):
-            raise ValueError(
-                "zero_optimization.fp8_all_gather gathers weights cast to FP8 with one scale "
-                "per tensor: it needs fp8.enabled with fp8.recipe=tensorwise and "
-                f"zero_optimization.stage=3 (got fp8.enabled={fp8.enabled}, "
-                f"fp8.recipe={fp8.recipe}, stage {zero.stage})")
+        fp8, moe = self.fp8, self.model.moe
         if not fp8.enabled:
             return
         experts = moe is not None and "experts" not in fp8.skip
@@ -438,9 +428,7 @@ class Config(_Section):
             return
         for key, used in (("model.moe", experts), ("mesh.pipe", self.mesh.pipe > 1),
                           (f"optimizer.type={self.optimizer.type}",
-                           self.optimizer.type in ONEBIT_TYPES),
-                          (f"zero_optimization.collectives={zero.collectives}",
-                           zero.collectives == "explicit")):
+                           self.optimizer.type in ONEBIT_TYPES)):
             if used:
                 raise ValueError(
                     f"fp8.recipe=delayed keeps amax histories as train state, which {key} "

@@ -175,10 +175,11 @@ def _dot_general(recipe: str, meta: dict[str, jax.Array] | None):
         out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
         (lc, rc), (lb, rb) = dimension_numbers  # hashable: a nondiff argument
         dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-        if recipe == "delayed":
+        if recipe == "delayed":  # Flax computes in one dtype, the weight's (as its Fp8Einsum)
+            compute = rhs.dtype
             out = fp8_ops.fp8_scaled_dot_general(
-                lhs, rhs, dims, preferred_element_type=jnp.float32,
-                quantize_compute_type=jnp.float32, **meta)
+                lhs.astype(compute), rhs, dims, preferred_element_type=compute,
+                quantize_compute_type=compute, **meta)
             return out.astype(out_dtype)
         return current_scaled_dot(lhs, rhs, dims, recipe == "rowwise", jnp.dtype(out_dtype))
 

@@ -16,6 +16,7 @@ import flax.core
 from flax import nnx
 
 from jaxspeed.errors import JaxspeedError
+from jaxspeed.ops.fp8 import META
 from jaxspeed.ops.losses import AUX_LOSS, STEP_METRICS, step_metrics, total_aux_loss
 from jaxspeed.tree_paths import key_names
 
@@ -46,6 +47,10 @@ class ModelFns(NamedTuple):
       init: `(rng) -> params`, traceable (jitted with the plan's shardings), or None when
         the params already exist (`initial_params`).
       initial_params: concrete params (NNX instances, plain pytrees), else None.
+      init_fp8_meta: `(rng) -> meta`, the FP8 delayed recipe's scales and amax histories
+        (Linen's `_overwrite_with_gradient` collection), or None when the model has none.
+        With it, `apply` takes `fp8_meta=`, and the gradient with respect to the meta is its
+        next value (`jaxspeed.ops.fp8`).
     """
 
     abstract_params: Any
@@ -53,6 +58,7 @@ class ModelFns(NamedTuple):
     apply: Callable[[Any, Any], Any]
     init: Callable[[jax.Array], Any] | None
     initial_params: Any
+    init_fp8_meta: Callable[[jax.Array], Any] | None = None
 
 
 #: What `init` keeps: every collection but the sown losses, metrics and intermediates.
@@ -77,11 +83,12 @@ def linen_apply(module: nn.Module):
     """`ModelFns.apply` of a Linen module (see `linen_fns`)."""
     flag = _takes_deterministic(module)
 
-    def apply(params, inputs, rng, train, **features):
+    def apply(params, inputs, rng, train, fp8_meta=None, **features):
         rngs = _rngs(rng)
         kwargs = {"deterministic": not train} if flag else {}
+        variables = {"params": params} if fp8_meta is None else {"params": params, META: fp8_meta}
         outputs, state = module.apply(
-            {"params": params}, inputs, rngs=rngs, mutable=[AUX_LOSS, STEP_METRICS], **kwargs,
+            variables, inputs, rngs=rngs, mutable=[AUX_LOSS, STEP_METRICS], **kwargs,
             **features)
         return outputs, total_aux_loss(state), step_metrics(state)
 
@@ -95,10 +102,14 @@ def linen_fns(module: nn.Module, sample_inputs) -> ModelFns:
     module's `__call__` takes it (the Flax convention), and collects the `aux_loss` and
     `step_metrics` collections.
     """
+    def variables(rng):
+        return module.init(_rngs(rng, params=True), sample_inputs, mutable=_INIT_COLLECTIONS)
+
     def init(rng):
-        variables = module.init(_rngs(rng, params=True), sample_inputs, mutable=_INIT_COLLECTIONS)
-        _only_params(variables)
-        return nn.unbox(variables["params"])
+        return nn.unbox(variables(rng)["params"])
+
+    def init_fp8_meta(rng):
+        return nn.unbox(variables(rng)[META])
 
     apply = linen_apply(module)
 
@@ -119,11 +130,12 @@ def linen_fns(module: nn.Module, sample_inputs) -> ModelFns:
         apply=apply,
         init=init,
         initial_params=None,
+        init_fp8_meta=init_fp8_meta if META in boxed else None,
     )
 
 
 def _only_params(variables) -> None:
-    extra = sorted(set(variables) - {"params"})
+    extra = sorted(set(variables) - {"params", META})
     if extra:
         raise JaxspeedError(
             f"model has variable collections {extra} besides 'params'; jaxspeed trains "

@@ -130,8 +130,8 @@ def step_objective(config: Config, mesh: Mesh, fns: ModelFns, loss_fn, model):
 
         return pipelined_objective
 
-    def objective(params, batch, rng, train):
-        outputs, aux, metrics = fns.apply(params, batch["inputs"], rng, train,
+    def objective(params, batch, rng, train, **fp8_meta):
+        outputs, aux, metrics = fns.apply(params, batch["inputs"], rng, train, **fp8_meta,
                                           **token_features(batch))
         loss = loss_fn(outputs, batch).astype(jnp.float32)
         if aux is None:

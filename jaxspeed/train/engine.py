@@ -184,12 +184,17 @@ class Engine:
         if self.onebit_axes:
             specs = onebit_state_specs_of(self._abstract_opt_state, axis_name=self.onebit_axes)
             opt_state = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
+        fp8_meta = None
+        if self.fns.init_fp8_meta is not None:  # tiny: replicated
+            shapes = jax.eval_shape(self.fns.init_fp8_meta, jax.eval_shape(jax.random.key, 0))
+            fp8_meta = jax.tree.map(lambda _: rep, shapes)
         return TrainState(
             step=rep,
             params=self.plan.params,
             opt_state=opt_state,
             rng=rep,
             loss_scale=loss_scale,
+            fp8_meta=fp8_meta,
         )
 
     def abstract_state(self) -> TrainState:
@@ -221,12 +226,14 @@ class Engine:
         if params is None:
             params = self.fns.init(params_rng)
         loss_scale = precision.init_loss_scale(self.config.fp16) if self.config.fp16.enabled else None
+        init_meta = self.fns.init_fp8_meta
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             opt_state=self.tx.init(params),
             rng=state_rng,
             loss_scale=loss_scale,
+            fp8_meta=None if init_meta is None else init_meta(params_rng),
         )
 
     def init(self, rng: jax.Array, *, params=None) -> TrainState:

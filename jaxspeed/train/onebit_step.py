@@ -91,7 +91,7 @@ def onebit_train_step(
             next_rng, step_rng = jax.random.split(state.rng)
             # each worker its own draws (gate noise, dropout): its tokens are its own
             step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axes))
-            loss, extras, grads = _loss_and_grads(
+            loss, extras, grads, _ = _loss_and_grads(  # no FP8 meta (the config refuses it)
                 local_spec, compute, micro, step_rng, jnp.float32(1)
             )
         updates, opt_state = spec.tx.update(

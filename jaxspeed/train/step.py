@@ -25,6 +25,9 @@ class TrainState(flax.struct.PyTreeNode):
       opt_state: the optax state.
       rng: a PRNG key, split once per step (for dropout and future stochastic layers).
       loss_scale: fp16 dynamic loss-scale state, or None without fp16.
+      fp8_meta: the FP8 delayed recipe's scales and amax histories (replicated), or None.
+        The step differentiates the loss with respect to them as well; their "gradient" is
+        their next value (Flax's `_overwrite_with_gradient`), which replaces them.
     """
 
     step: jax.Array
@@ -32,6 +35,7 @@ class TrainState(flax.struct.PyTreeNode):
     opt_state: Any
     rng: jax.Array
     loss_scale: precision.LossScaleState | None = None
+    fp8_meta: Any = None
 
 
 class OffloadSpec(NamedTuple):
@@ -59,7 +63,8 @@ class OffloadSpec(NamedTuple):
 
 
 #: `(params, batch, rng, train) -> (loss, extras)`: the scalar to minimise (auxiliary losses
-#: included) and a dict of extra scalar metrics (e.g. `aux_loss`), both float32.
+#: included) and a dict of extra scalar metrics (e.g. `aux_loss`), both float32. A model with
+#: FP8 meta (`TrainState.fp8_meta`) takes it as the keyword `fp8_meta`.
 Objective = Callable[[Any, Any, jax.Array, bool], tuple[jax.Array, dict[str, jax.Array]]]
 
 
@@ -100,9 +105,11 @@ def split_microbatches(batch, accumulation: int, data_parallel: int, micro_shard
     return jax.tree.map(split, batch)
 
 
-def _microbatch_loss(spec: StepSpec, compute_params, batch, rng, scale, train: bool = True):
+def _microbatch_loss(spec: StepSpec, compute_params, batch, rng, scale, train: bool = True,
+                     fp8_meta=None):
     """`(scaled loss, (loss, extras))` of one microbatch."""
-    loss, extras = spec.objective(compute_params, batch, rng, train)
+    meta = {} if fp8_meta is None else {"fp8_meta": fp8_meta}
+    loss, extras = spec.objective(compute_params, batch, rng, train, **meta)
     loss = loss.astype(jnp.float32)
     return loss * scale, (loss, extras)
 
@@ -111,16 +118,28 @@ def _float32(tree):
     return jax.tree.map(lambda g: g.astype(jnp.float32), tree)
 
 
-def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, rng, scale):
-    """Mean loss, mean extras and fp32 gradients over the microbatches (a scan, no Python loop).
+def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, rng, scale, fp8_meta=None):
+    """Mean loss, mean extras, fp32 gradients and the next FP8 meta over the microbatches (a
+    scan, no Python loop).
 
     Gradients are taken w.r.t. the compute-dtype params and cast to fp32 before they are
     reduced across devices: the same values as differentiating through the cast. Microbatch
-    i draws its randomness from `fold_in(rng, i)`.
+    i draws its randomness from `fold_in(rng, i)`. FP8 meta (or None) goes from microbatch to
+    microbatch, each one's "gradient" being the next one's meta, as Transformer Engine updates
+    its amax histories at every forward and backward pass.
     """
-    grad_fn = jax.value_and_grad(
-        lambda p, b, r: _microbatch_loss(spec, p, b, r, scale), has_aux=True
-    )
+    meta_grad = jax.value_and_grad(
+        lambda p, m, b, r: _microbatch_loss(spec, p, b, r, scale, fp8_meta=m),
+        argnums=(0, 1), has_aux=True)
+
+    def grad_fn(params, meta, batch, key):  # -> (value, aux), grads, next meta
+        if meta is None:
+            value, grads = jax.value_and_grad(
+                lambda p, b, r: _microbatch_loss(spec, p, b, r, scale), has_aux=True
+            )(params, batch, key)
+            return value, grads, None
+        value, (grads, next_meta) = meta_grad(params, meta, batch, key)
+        return value, grads, next_meta
 
     def constrain(grads):  # streamed layers' gradients are already sharded, in host memory
         if spec.grad_shardings is None:  # inside shard_map (1-bit Adam): per-device grads
@@ -132,16 +151,19 @@ def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, rng, scale):
     n = spec.accumulation
     if n == 1:  # one microbatch: no accumulator to carry
         first = jax.tree.map(lambda x: x[0], micro_batches)
-        (_, (loss, extras)), grads = grad_fn(compute_params, first, jax.random.fold_in(rng, 0))
-        return loss, extras, constrain(_divide(_float32(grads), scale))
+        (_, (loss, extras)), grads, meta = grad_fn(
+            compute_params, fp8_meta, first, jax.random.fold_in(rng, 0))
+        return loss, extras, constrain(_divide(_float32(grads), scale)), meta
 
     def body(carry, indexed):
         i, batch = indexed
-        grads_sum, loss_sum, extras_sum = carry
-        (_, (loss, extras)), grads = grad_fn(compute_params, batch, jax.random.fold_in(rng, i))
+        grads_sum, loss_sum, extras_sum, meta = carry
+        (_, (loss, extras)), grads, meta = grad_fn(
+            compute_params, meta, batch, jax.random.fold_in(rng, i))
         # ZeRO-2/3: the running sum already lives in the gradient sharding (reduce-scattered).
         grads_sum = constrain(offload.map_where_it_lives(jnp.add, grads_sum, _float32(grads)))
-        return (grads_sum, loss_sum + loss, jax.tree.map(jnp.add, extras_sum, extras)), None
+        extras_sum = jax.tree.map(jnp.add, extras_sum, extras)
+        return (grads_sum, loss_sum + loss, extras_sum, meta), None
 
     def zeros_like(p):  # in the memory the gradient will arrive in
         zeros = jnp.zeros(p.shape, jnp.float32)
@@ -150,14 +172,15 @@ def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, rng, scale):
     zeros = constrain(jax.tree.map(zeros_like, compute_params))
     first = jax.tree.map(lambda x: x[0], micro_batches)
     extras_shape = jax.eval_shape(
-        lambda p, b: _microbatch_loss(spec, p, b, rng, scale)[1][1], compute_params, first
-    )
-    init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, extras_shape))
-    (grads, loss, extras), _ = jax.lax.scan(body, init, (jnp.arange(n), micro_batches))
+        lambda p, m, b: _microbatch_loss(spec, p, b, rng, scale, fp8_meta=m)[1][1],
+        compute_params, fp8_meta, first)
+    init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, extras_shape),
+            fp8_meta)
+    (grads, loss, extras, meta), _ = jax.lax.scan(body, init, (jnp.arange(n), micro_batches))
     mean = lambda x: x / n  # noqa: E731
     return mean(loss), jax.tree.map(mean, extras), constrain(
         _divide(grads, n * scale)
-    )
+    ), meta
 
 
 def _divide(grads, divisor):
@@ -256,13 +279,14 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     """
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
     next_rng, step_rng = jax.random.split(state.rng)
-    if spec.explicit_zero is not None:
+    fp8_meta = state.fp8_meta
+    if spec.explicit_zero is not None:  # with no FP8 meta (`zero_step._unsupported`)
         loss, extras, grads = spec.explicit_zero.loss_and_grads(
             spec, state.params, batch, step_rng, scale)
     else:
         micro = split_microbatches(batch, spec.accumulation, data_parallel, spec.micro_sharding)
-        loss, extras, grads = _loss_and_grads(
-            spec, _compute_params(spec, state.params), micro, step_rng, scale
+        loss, extras, grads, fp8_meta = _loss_and_grads(
+            spec, _compute_params(spec, state.params), micro, step_rng, scale, state.fp8_meta
         )
     norm = _global_norm(grads)
     loss_scale = state.loss_scale
@@ -286,6 +310,7 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
         opt_state=opt_state,
         rng=next_rng,
         loss_scale=loss_scale,
+        fp8_meta=fp8_meta,
     )
     return new_state, metrics
 
@@ -298,7 +323,9 @@ def eval_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     params = _compute_params(spec, state.params)
 
     def body(total, b):
-        return total + _microbatch_loss(spec, params, b, state.rng, 1.0, train=False)[1][0], None
+        loss = _microbatch_loss(spec, params, b, state.rng, 1.0, train=False,
+                                fp8_meta=state.fp8_meta)
+        return total + loss[1][0], None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), micro)
     return {"loss": total / spec.accumulation}

@@ -194,6 +194,8 @@ def _unsupported(config, mesh: Mesh) -> str | None:
         return f"offload_param.device={zero.offload_param.device}"
     if zero.offload_optimizer.device != "none":
         return f"offload_optimizer.device={zero.offload_optimizer.device}"
+    if config.fp8.enabled and config.fp8.recipe == "delayed":  # its state is not carried there
+        return "fp8.recipe=delayed"
     return None
 
 

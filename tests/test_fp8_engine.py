@@ -1,0 +1,159 @@
+"""FP8 training through the engine: every recipe on the ZeRO stages, tensor and expert meshes
+equals a plain single-device loop; the delayed recipe's meta is train state (checkpointed and
+restored bit for bit onto another mesh); unsupported combinations are config errors."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxspeed as js
+from jaxspeed.data import TokenDataset
+from jaxspeed.errors import ConfigError
+from jaxspeed.models import build_gpt
+from jaxspeed.ops.fp8 import META
+from jaxspeed.ops.losses import lm_loss
+from jaxspeed.train.assembly import fp8_recipe
+from numerics import assert_adam_params_close, assert_close, gpt_rtol
+
+TINY = [
+    "model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+    "model.d_ff=128", "model.max_seq_len=32", "data.seq_len=32", "data.max_bytes=300000",
+    "train_batch_size=16", "optimizer.params.lr=0.003", "optimizer.params.weight_decay=0.1",
+    "fp8.enabled=true", "fp8.amax_history_length=4",
+]
+STEPS, LR = 2, 0.003
+#: Two orders of the tiny GPT's step agree to this (tests/numerics.py). FP8 rounding adds no
+#: term: both programs quantize the same values, up to that rounding, with the same scales (an
+#: amax is a max, exact in any order), so an element lands on another FP8 value only where it
+#: lies within that rounding of a midpoint between two, a chance of about rho / 2**-3 per
+#: element, and then moves the loss by one element's share.
+RHO = gpt_rtol(tokens=16 * 32, d_model=64, d_ff=128, n_layers=2, vocab=256)
+MESHES = {
+    "data8/stage0": ["mesh.data=8"],
+    "data8/stage3": ["mesh.data=8", "zero_optimization.stage=3"],
+    "data4_tensor2/stage2": ["mesh.data=4", "mesh.tensor=2", "zero_optimization.stage=2"],
+}
+
+
+def config(recipe, *overrides):
+    return js.load_config(None, overrides=[*TINY, f"fp8.recipe={recipe}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def batches():
+    data = TokenDataset.from_config(config("tensorwise").data, seed=0)
+    return [data.batch(i, global_batch=16) for i in range(STEPS)]
+
+
+def reference(cfg, params, meta, batches):
+    """A plain single-device loop: Flax apply, `jax.value_and_grad`, optax AdamW; the delayed
+    recipe's meta replaced by its gradient, as Flax's `TrainState.apply_gradients` does."""
+    model = build_gpt(cfg.model, fp8=fp8_recipe(cfg))
+    tx = optax.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, meta, opt_state, batch):
+        def loss_of(p, m):
+            variables = {"params": p} if m is None else {"params": p, META: m}
+            return lm_loss(model.apply(variables, batch["inputs"]), batch)
+
+        loss, (grads, new_meta) = jax.value_and_grad(loss_of, argnums=(0, 1))(params, meta)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_meta, opt_state, loss
+
+    losses = []
+    for batch in batches:
+        params, meta, opt_state, loss = step(params, meta, opt_state, batch)
+        losses.append(float(loss))
+    return np.array(losses), params, meta
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_fp8_engine_equals_single_device(recipe, mesh_name, batches):
+    engine = js.initialize(config(recipe, *MESHES[mesh_name]))
+    state = engine.init(jax.random.key(0))
+    assert (state.fp8_meta is not None) == (recipe == "delayed")
+    start = jax.device_get((state.params, state.fp8_meta))
+    losses = []
+    for batch in batches:
+        state, metrics = engine.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    want_losses, want_params, want_meta = reference(engine.config, *start, batches)
+    assert_close(np.array(losses), want_losses, rtol=RHO)
+    assert_adam_params_close(jax.device_get(state.params), want_params, steps=STEPS, lr=LR,
+                             rho=RHO)
+    if recipe == "delayed":  # the amaxes of both steps, rolled into the histories
+        got = jax.device_get(state.fp8_meta)
+        assert_close(got, want_meta, rtol=RHO)
+        history = got["layers"]["mlp"]["wi_input_amax_history"]
+        assert history.shape == (2, 4) and np.all(np.sum(history > 0, axis=1) == STEPS)
+
+
+def test_fp8_experts_equal_single_device(batches):
+    """The experts' FP8 matmuls under expert parallelism (each expert's own scales)."""
+    moe = ["model.moe.num_experts=4", "model.moe.k=2", "model.moe.capacity_factor=2.0",
+           "model.moe.use_rts=false"]
+    engine = js.initialize(config("tensorwise", *moe, "mesh.data=2", "mesh.expert=4"))
+    state = engine.init(jax.random.key(0))
+    start = jax.device_get(state.params)
+    losses = []
+    for batch in batches:
+        state, metrics = engine.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    one = js.initialize(config("tensorwise", *moe, "mesh.data=8", "model.moe.num_groups=8"))
+    ref_state = one.init(jax.random.key(0))
+    chex.assert_trees_all_equal(jax.device_get(ref_state.params), start)
+    ref_losses = []
+    for batch in batches:
+        ref_state, metrics = one.train_step(ref_state, batch)
+        ref_losses.append(float(metrics["loss"]))
+    assert_close(np.array(losses), np.array(ref_losses), rtol=RHO)
+
+
+def test_delayed_meta_is_checkpointed_and_restored_onto_another_mesh(tmp_path, batches):
+    engine = js.initialize(config("delayed", "mesh.data=8", f"checkpoint.dir={tmp_path}"))
+    state = engine.init(jax.random.key(0))
+    for batch in batches:
+        state, _ = engine.train_step(state, batch)
+    engine.save(state)
+    engine.checkpointer().wait()
+    other = js.initialize(config("delayed", "mesh.data=4", "mesh.tensor=2",
+                                 "zero_optimization.stage=3", f"checkpoint.dir={tmp_path}"))
+    restored = other.restore()
+    chex.assert_trees_all_equal(jax.device_get(restored.fp8_meta), jax.device_get(state.fp8_meta))
+    assert int(restored.step) == STEPS
+
+
+@pytest.mark.parametrize(("overrides", "names"), [
+    (["fp8.recipe=delayed", "mesh.pipe=2"], ("fp8.recipe=delayed", "mesh.pipe")),
+    (["fp8.recipe=delayed", "optimizer.type=OneBitAdam"], ("fp8.recipe=delayed", "OneBitAdam")),
+    (["fp8.recipe=delayed", "model.moe.num_experts=4"], ("fp8.recipe=delayed", "model.moe")),
+    (["model.moe.num_experts=4", "model.moe.drop_tokens=false"], ("fp8.enabled", "drop_tokens")),
+    (["fp8.recipe=blockwise"], ("fp8.recipe", "tensorwise")),
+    (["fp8.skip=[mlp]"], ("fp8.skip", "wo")),
+])
+def test_unsupported_combinations_name_both_keys(overrides, names):
+    with pytest.raises(ConfigError) as err:
+        js.load_config(None, overrides=[*TINY, *overrides])
+    assert all(name in str(err.value) for name in names), str(err.value)
+
+
+def test_delayed_with_explicit_zero3_collectives_is_refused():
+    with pytest.raises(ConfigError, match="fp8.recipe=delayed"):
+        js.initialize(config("delayed", "mesh.data=8", "zero_optimization.stage=3",
+                             "zero_optimization.collectives=explicit"))
+
+
+def test_skipped_projections_stay_in_the_compute_dtype(batches):
+    """`fp8.skip` leaves those projections out: the step's HLO has fewer f8 dots."""
+    def f8_dots(*overrides):
+        engine = js.initialize(config("tensorwise", "mesh.data=8", *overrides))
+        return engine.compile_train_step().as_text().count("f8e4m3fn")
+
+    assert 0 < f8_dots("fp8.skip=[wi,wo]") < f8_dots()
