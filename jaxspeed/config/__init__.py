@@ -10,6 +10,7 @@ Modules:
 * `model`: `model:`, the reference GPT's architecture described once (`ModelConfig`), with
   `moe` and `sparse_attention` typed by the layers that use them;
 * `optimizer`: `optimizer:` and `scheduler:`, one typed model per `type` (tagged unions);
+* `precision`: `bf16:`, `fp16:` and `fp8:`, and the FP8 combinations that do not go together;
 * `schema`: the other section models and `Config`;
 * `units`: `parse_bytes` (`"80GiB"` → bytes);
 * `sizes`: `resolve_batch` (the batch sizes a config and a data-parallel size imply);

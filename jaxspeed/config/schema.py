@@ -39,9 +39,7 @@ from jaxspeed.config.optimizer import (
     SchedulerConfig,
 )
 from jaxspeed.config.units import parse_bytes
-from jaxspeed.ops.fp8 import HISTORY as _FP8_HISTORY
-from jaxspeed.ops.fp8 import PROJECTIONS as _FP8_PROJECTIONS
-from jaxspeed.ops.fp8 import RECIPES as _FP8_RECIPES
+from jaxspeed.config.precision import Bf16Config, Fp8Config, Fp16Config, check_fp8
 
 
 def _hosts(value: Any) -> Any:
@@ -84,38 +82,6 @@ class MeshConfig(_Section):
     def axis_sizes(self) -> dict[str, int]:
         """The axis sizes as written (`data` the total degree), without `hosts`."""
         return self.model_dump(exclude={"hosts"})
-
-
-class Bf16Config(_Section):
-    """bfloat16 compute with float32 master weights."""
-
-    enabled: _Bool = False
-
-
-class Fp16Config(_Section):
-    """float16 compute with dynamic loss scaling (DeepSpeed's names and defaults)."""
-
-    enabled: _Bool = False
-    initial_scale_power: _NonNegativeInt = 16
-    loss_scale_window: _PositiveInt = 1000
-    hysteresis: _PositiveInt = 2
-    min_loss_scale: Annotated[float, Field(strict=True, gt=0)] = 1.0
-    consecutive_hysteresis: _Bool = False
-
-
-class Fp8Config(_Section):
-    """FP8 matmuls in the transformer blocks' projections, MLPs and experts (`jaxspeed.ops.fp8`):
-    e4m3 operands forward, e5m2 gradients. The embedding, the LM head, the norms and attention
-    stay in the compute dtype."""
-
-    enabled: _Bool = False
-    #: `tensorwise` (current scaling, a scale per tensor), `rowwise` (current scaling, a scale
-    #: per row of each GEMM operand), `delayed` (Transformer Engine's amax history)
-    recipe: Literal[_FP8_RECIPES] = "tensorwise"
-    #: `delayed`: steps of amax history each scale is taken from (the history's max)
-    amax_history_length: _PositiveInt = _FP8_HISTORY
-    #: projections that stay in the compute dtype, by name
-    skip: list[Literal[_FP8_PROJECTIONS]] = Field(default_factory=list)
 
 
 class OffloadConfig(_Section):
@@ -406,34 +372,13 @@ class Config(_Section):
                 "model.moe.parallelism=expert_tensor keeps each expert's hidden units split over "
                 "the tensor axis (Tutel's sharding degree is mesh.tensor), and mesh.tensor=1 "
                 "splits nothing; set mesh.tensor > 1, or parallelism=expert")
-        self._check_fp8()
+        check_fp8(self)
         if moe is not None and moe.balance == "bias" and self.optimizer.type in ONEBIT_TYPES:
             raise ValueError(
                 f"model.moe.balance=bias does not go with optimizer.type={self.optimizer.type}: "
                 f"the 1-bit exchange would compress the expert load the bias moves by; use "
                 f"balance=aux_loss or an uncompressed optimizer")
         return self
-
-    def _check_fp8(self) -> None:
-        """The FP8 combinations that do not work together, each naming both keys."""
-        fp8, moe = self.fp8, self.model.moe
-        if not fp8.enabled:
-            return
-        experts = moe is not None and "experts" not in fp8.skip
-        if experts and not moe.drop_tokens:
-            raise ValueError(
-                "fp8.enabled with model.moe.drop_tokens=false: the dropless experts' grouped "
-                "matmuls have no FP8 path; add 'experts' to fp8.skip or drop tokens")
-        if fp8.recipe != "delayed":
-            return
-        for key, used in (("model.moe", experts), ("mesh.pipe", self.mesh.pipe > 1),
-                          (f"optimizer.type={self.optimizer.type}",
-                           self.optimizer.type in ONEBIT_TYPES)):
-            if used:
-                raise ValueError(
-                    f"fp8.recipe=delayed keeps amax histories as train state, which {key} "
-                    f"does not carry yet; use fp8.recipe=tensorwise or rowwise"
-                    + (" (or add 'experts' to fp8.skip)" if key == "model.moe" else ""))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict with the config's own key names; `load_config` of it is equal."""

@@ -322,13 +322,18 @@ class Dot:
 
 def parse_dot(ins: Instruction, types: dict[str, str], executions: int = 1) -> Dot | None:
     """The `Dot` of a `dot` instruction; None where its operands' types are not in `types`."""
+    dims = {(side, kind): tuple(_ints(numbers))
+            for side, kind, numbers in _DOT_DIMS.findall(ins.tail)}
+    return _dot(ins, types, dims, executions)
+
+
+def _dot(ins: Instruction, types: dict[str, str], dims: dict, executions: int) -> Dot | None:
+    """The `Dot` of a matmul instruction whose first two operands are the matrices."""
     names = operands(ins)[:2]
     arrays = [_ARRAY.search(types.get(o, "")) for o in names] + [_ARRAY.search(ins.type_text)]
     if len(names) < 2 or None in arrays:
         return None
     lhs, rhs, result = arrays
-    dims = {(side, kind): tuple(_ints(numbers))
-            for side, kind, numbers in _DOT_DIMS.findall(ins.tail)}
     return Dot(
         lhs=tuple(_dims(lhs.group(0))), rhs=tuple(_dims(rhs.group(0))),
         dtypes=(lhs.group(1), rhs.group(1), result.group(1)),
@@ -365,22 +370,9 @@ def parse_gemm(ins: Instruction, types: dict[str, str], executions: int = 1) -> 
         if found is None:
             return None
         config = found.group(1)
-    names = operands(ins)[:2]
-    arrays = [_ARRAY.search(types.get(o, "")) for o in names] + [_ARRAY.search(ins.type_text)]
-    if len(names) < 2 or None in arrays:
-        return None
-    lhs, rhs, result = arrays
     dims = {(side, kind): tuple(int(d) for d in re.findall(r"\d+", numbers))
             for side, kind, numbers in _GEMM_DIMS.findall(config)}
-    return Dot(
-        lhs=tuple(_dims(lhs.group(0))), rhs=tuple(_dims(rhs.group(0))),
-        dtypes=(lhs.group(1), rhs.group(1), result.group(1)),
-        dimension_numbers=(
-            (dims.get(("lhs", "contracting"), ()), dims.get(("rhs", "contracting"), ())),
-            (dims.get(("lhs", "batch"), ()), dims.get(("rhs", "batch"), ())),
-        ),
-        executions=executions,
-    )
+    return _dot(ins, types, dims, executions)
 
 
 def dots(hlo_text: str) -> list[Dot]:
