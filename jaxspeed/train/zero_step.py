@@ -120,7 +120,7 @@ class ZeroStep:
                 micro = jax.tree.map(
                     lambda x: x.reshape(spec.accumulation, -1, *x.shape[1:]), batch)
                 # each worker its own draws (gate noise, dropout): its rows are its own
-                rng = jax.random.fold_in(rng, jax.lax.axis_index(self.axes))
+                rng = jax.random.fold_in(rng, jax.lax.axis_index(self.split))
                 compute, reduce = jax.vjp(lambda p: self._step_gather(self._vary(p)), params)
 
                 def grads_of(i, b):
