@@ -127,8 +127,8 @@ def expert_ffn(x, params: ExpertParams, *, activation: str = "gelu", fp8: str | 
       x: `[E, C, M]` dispatched tokens.
       params: `ExpertParams` with `E` experts.
       activation: "relu", "gelu" or "swiglu" (`silu(x @ w_gate) * (x @ w_in)`).
-      fp8: None, or the FP8 recipe the matmuls run in (`tensorwise` or `rowwise`: each
-        expert's own scales under `rowwise`, one per buffer under `tensorwise`).
+      fp8: None, or the FP8 recipe the matmuls run in (`tensorwise`: a scale per expert's
+        weight and buffer; `rowwise`: per row of each; `jaxspeed.ops.fp8`).
 
     Returns:
       `[E, C, M]` in `x`'s dtype; matmuls accumulate and activations run in fp32.
@@ -136,11 +136,10 @@ def expert_ffn(x, params: ExpertParams, *, activation: str = "gelu", fp8: str | 
     _check_params(params, activation)
     f32 = jnp.float32
 
+    einsum = jnp.einsum if fp8 is None else functools.partial(fp8_ops.einsum, recipe=fp8)
+
     def matmul(a, w):
-        if fp8 is not None:
-            return fp8_ops.einsum("ecm,emh->ech", a, w.astype(x.dtype), recipe=fp8,
-                                  preferred_element_type=f32)
-        return jnp.einsum("ecm,emh->ech", a, w.astype(x.dtype), preferred_element_type=f32)
+        return einsum("ecm,emh->ech", a, w.astype(x.dtype), preferred_element_type=f32)
 
     def project(w, b):
         h = matmul(x, w)  # [E, C, H], fp32

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -205,7 +204,8 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, *, recipe: str,
                       _dot_general=_dot_general(recipe, meta))
 
 
-_META_NAMES = ("input", "kernel", "output_grad")
+#: Flax's names of the delayed recipe's operands, and `fp8_scaled_dot_general`'s.
+_META_OPERANDS = (("input", "lhs"), ("kernel", "rhs"), ("output_grad", "grad"))
 
 
 def fp8_meta(module: nn.Module, name: str, history: int) -> dict[str, jax.Array]:
@@ -213,11 +213,10 @@ def fp8_meta(module: nn.Module, name: str, history: int) -> dict[str, jax.Array]
     `Fp8DotGeneralBase` declares them (collection `META`), keyed as
     `fp8_scaled_dot_general` takes them."""
     meta = {}
-    for operand in _META_NAMES:
+    for operand, side in _META_OPERANDS:
         scale = module.variable(META, f"{name}_{operand}_scale", jnp.ones, (1,), jnp.float32)
         amax = module.variable(META, f"{name}_{operand}_amax_history", jnp.zeros, (history,),
                                jnp.float32)
-        side = {"input": "lhs", "kernel": "rhs", "output_grad": "grad"}[operand]
         meta[f"{side}_scale"] = scale.value
         meta[f"{side}_amax_history"] = amax.value
     return meta
@@ -233,8 +232,3 @@ def project(module: nn.Module, name: str, spec: str, x: jax.Array, w: jax.Array,
     if fp8.recipe == "delayed":
         meta = fp8_meta(module, name, fp8.amax_history_length)
     return einsum(spec, x, w, recipe=fp8.recipe, meta=meta)
-
-
-def is_meta(tree: Any) -> bool:
-    """Whether a variables dict holds FP8 meta (the delayed recipe's state)."""
-    return isinstance(tree, dict) and META in tree

@@ -128,18 +128,11 @@ def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, rng, scale, f
     microbatch, each one's "gradient" being the next one's meta, as Transformer Engine updates
     its amax histories at every forward and backward pass.
     """
-    meta_grad = jax.value_and_grad(
+    # `(params, meta, batch, key) -> ((scaled loss, (loss, extras)), (grads, next meta))`; a
+    # None meta is an empty pytree, whose gradient is None.
+    grad_fn = jax.value_and_grad(
         lambda p, m, b, r: _microbatch_loss(spec, p, b, r, scale, fp8_meta=m),
         argnums=(0, 1), has_aux=True)
-
-    def grad_fn(params, meta, batch, key):  # -> (value, aux), grads, next meta
-        if meta is None:
-            value, grads = jax.value_and_grad(
-                lambda p, b, r: _microbatch_loss(spec, p, b, r, scale), has_aux=True
-            )(params, batch, key)
-            return value, grads, None
-        value, (grads, next_meta) = meta_grad(params, meta, batch, key)
-        return value, grads, next_meta
 
     def constrain(grads):  # streamed layers' gradients are already sharded, in host memory
         if spec.grad_shardings is None:  # inside shard_map (1-bit Adam): per-device grads
@@ -151,14 +144,14 @@ def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, rng, scale, f
     n = spec.accumulation
     if n == 1:  # one microbatch: no accumulator to carry
         first = jax.tree.map(lambda x: x[0], micro_batches)
-        (_, (loss, extras)), grads, meta = grad_fn(
+        (_, (loss, extras)), (grads, meta) = grad_fn(
             compute_params, fp8_meta, first, jax.random.fold_in(rng, 0))
         return loss, extras, constrain(_divide(_float32(grads), scale)), meta
 
     def body(carry, indexed):
         i, batch = indexed
         grads_sum, loss_sum, extras_sum, meta = carry
-        (_, (loss, extras)), grads, meta = grad_fn(
+        (_, (loss, extras)), (grads, meta) = grad_fn(
             compute_params, meta, batch, jax.random.fold_in(rng, i))
         # ZeRO-2/3: the running sum already lives in the gradient sharding (reduce-scattered).
         grads_sum = constrain(offload.map_where_it_lives(jnp.add, grads_sum, _float32(grads)))
