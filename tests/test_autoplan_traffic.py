@@ -274,3 +274,23 @@ def test_calibrate_across_two_processes_measures_the_link_between_hosts(tmp_path
     assert (cluster.hosts, cluster.devices_per_host, cluster.collectives) == (2, 2, "gloo")
     assert cluster.inter_host.bandwidth_gbps > 0 and cluster.inter_host.latency_us > 0
     assert cluster.intra_host != cluster.inter_host  # measured apart
+
+
+def test_fp8_all_gather_moves_the_layers_in_one_byte_by_hand():
+    """The planner prices `fp8_all_gather`: the layers gathered at each use, one byte a weight
+    (their norms priced so too), the rest as gathered without it."""
+    per_use = _config("zero_optimization.stage=3", "zero_optimization.max_live_parameters=0",
+                      "bf16.enabled=true")
+    fp8 = _config("zero_optimization.stage=3", "bf16.enabled=true", "fp8.enabled=true",
+                  "zero_optimization.fp8_all_gather=true")
+    plan = from_config(per_use, {"host": 2, "data": 4})
+
+    def gathers(config):
+        moved = traffic.step_transfers(config, plan, hosts=2)
+        layers = sum(t.nbytes * t.count for t in moved
+                     if t.kind == "all-gather" and t.name.endswith(".layers"))
+        return layers, _sum(moved, kind="all-gather") - layers
+
+    (bf16_layers, bf16_rest), (fp8_layers, fp8_rest) = gathers(per_use), gathers(fp8)
+    assert bf16_layers > 0 and fp8_layers == pytest.approx(bf16_layers / 2)
+    assert fp8_rest == pytest.approx(bf16_rest)

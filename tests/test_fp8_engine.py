@@ -82,6 +82,8 @@ LAYOUTS = {
                        "zero_optimization.offload_param.device=cpu",
                        "zero_optimization.offload_optimizer.device=cpu"],
     "remat_full": ["mesh.data=8", "activation_checkpointing.policy=full"],
+    "stage3/fp8_all_gather": ["mesh.data=8", "zero_optimization.stage=3",
+                              "zero_optimization.fp8_all_gather=true"],
 }
 
 
@@ -156,6 +158,10 @@ def test_delayed_meta_is_checkpointed_and_restored_onto_another_mesh(tmp_path, b
     (["fp8.recipe=delayed", "optimizer.type=OneBitAdam"], ("fp8.recipe=delayed", "OneBitAdam")),
     (["fp8.recipe=delayed", "model.moe.num_experts=4"], ("fp8.recipe=delayed", "model.moe")),
     (["model.moe.num_experts=4", "model.moe.drop_tokens=false"], ("fp8.enabled", "drop_tokens")),
+    (["fp8.recipe=rowwise", "zero_optimization.stage=3", "zero_optimization.fp8_all_gather=true"],
+     ("fp8_all_gather", "fp8.recipe")),
+    (["fp8.enabled=false", "zero_optimization.stage=3", "zero_optimization.fp8_all_gather=true"],
+     ("fp8_all_gather", "fp8.enabled")),
     (["fp8.recipe=blockwise"], ("fp8.recipe", "tensorwise")),
     (["fp8.skip=[mlp]"], ("fp8.skip", "wo")),
 ])
@@ -165,10 +171,12 @@ def test_unsupported_combinations_name_both_keys(overrides, names):
     assert all(name in str(err.value) for name in names), str(err.value)
 
 
-def test_delayed_with_explicit_zero3_collectives_is_refused():
-    with pytest.raises(ConfigError, match="fp8.recipe=delayed"):
-        js.initialize(config("delayed", "mesh.data=8", "zero_optimization.stage=3",
-                             "zero_optimization.collectives=explicit"))
+@pytest.mark.parametrize("overrides", [["fp8.recipe=delayed"],
+                                       ["zero_optimization.fp8_all_gather=true"]])
+def test_explicit_zero3_collectives_refuse_what_they_do_not_carry(overrides):
+    with pytest.raises(ConfigError, match=overrides[0].split("=")[0]):
+        js.initialize(config("tensorwise", "mesh.data=8", "zero_optimization.stage=3",
+                             "zero_optimization.collectives=explicit", *overrides))
 
 
 def test_skipped_projections_stay_in_the_compute_dtype(batches):

@@ -415,3 +415,29 @@ def test_fp8_train_step_runs_every_projection_gemm_in_fp8_on_h100(recipe):
     attention = 6 * 2 * tokens * config.data.seq_len * m.d_model * m.n_layers
     head = 3 * 2 * tokens * m.d_model * m.vocab_size
     assert other == attention + head
+
+
+@needs_gpu_compile
+def test_fp8_all_gather_gathers_the_layers_weights_in_fp8_on_h100():
+    """`zero_optimization.fp8_all_gather`: ZeRO-3's gathers of the projection weights move
+    f8e4m3fn (one byte a weight) where the bf16 step, also gathering at each use, moves two;
+    the rest (norms, embedding, the scales) stays as it was. `plan` reads the same bytes
+    (`hlo.collective_bytes`)."""
+    from jaxspeed.cost import hlo
+
+    def gathered(*overrides):
+        config = load_config("configs/gpt_zero3.yaml", overrides=list(overrides))
+        engine = initialize(config,
+                            mesh=make_mesh(config.mesh, devices=deviceless.devices("h100", 8)))
+        text = engine.compile_train_step().as_text()
+        return config, text, hlo.collective_bytes(text, num_devices=8)["all-gather"]
+
+    config, _, bf16 = gathered("zero_optimization.max_live_parameters=0")
+    _, text, fp8 = gathered("fp8.enabled=true", "zero_optimization.fp8_all_gather=true")
+    assert any("all-gather" in line and "f8e4m3fn" in line for line in text.splitlines())
+    m = config.model
+    projections = (4 * m.d_model**2 + 2 * m.d_model * m.d_ff) * m.n_layers
+    total = projections + m.vocab_size * m.d_model + (2 * m.n_layers + 1) * m.d_model
+    # Each weight's gather at one byte instead of two; the scales' 4 bytes a tensor aside.
+    want = (projections + 2 * (total - projections)) / (2 * total)
+    assert fp8 / bf16 == pytest.approx(want, rel=0.02)

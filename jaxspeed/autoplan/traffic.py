@@ -256,7 +256,8 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
         quantized_weights=plan.quantized_weights, hpz=plan.hpz,
         gradient_bits=zero.quantized_gradient_bits if plan.quantized_gradients else None)
     cbytes = compute_dtype(config).itemsize
-    layered = (layered_params + other_params) > config.zero_optimization.max_live_parameters
+    layered = ((layered_params + other_params) > zero.max_live_parameters
+               or zero.fp8_all_gather)
     recompute = layered and plan.remat != "none"
     stages = [zero_axes]
     if sw.hpz and HOST in zero_axes and len(zero_axes) > 1:
@@ -280,7 +281,9 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
             def gather(name: str, count: float) -> list[Transfer]:
                 if sw.quantized_weights:
                     return _quantized(name, "all-gather", n, 8, sw.block, axes, count)
-                return [Transfer(name, "all-gather", n * cbytes, axes, count)]
+                # fp8_all_gather: the layers' weights (nearly all of their params) cross in FP8
+                width = 1 if zero.fp8_all_gather and per_layer else cbytes
+                return [Transfer(name, "all-gather", n * width, axes, count)]
 
             if per_layer and len(stages) > 1 and i == 0:  # hpZ's secondary copy
                 out += gather(f"zero3.secondary_gather.{label}", leaves)

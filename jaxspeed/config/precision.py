@@ -48,7 +48,14 @@ class Fp8Config(_Section):
 
 def check_fp8(config) -> None:
     """The FP8 combinations that do not work together, each naming both keys."""
-    fp8, moe = config.fp8, config.model.moe
+    fp8, zero, moe = config.fp8, config.zero_optimization, config.model.moe
+    if zero.fp8_all_gather and not (fp8.enabled and fp8.recipe == "tensorwise"
+                                    and zero.stage == 3):
+        raise ValueError(
+            "zero_optimization.fp8_all_gather gathers the weights cast to FP8 with one scale "
+            "per tensor: it needs fp8.enabled with fp8.recipe=tensorwise and "
+            f"zero_optimization.stage=3 (got fp8.enabled={fp8.enabled}, "
+            f"fp8.recipe={fp8.recipe}, stage {zero.stage})")
     if not fp8.enabled:
         return
     experts = moe is not None and "experts" not in fp8.skip

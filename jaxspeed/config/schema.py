@@ -137,6 +137,9 @@ class ZeroConfig(_Section):
     zero_hpz_partition_size: _PositiveInt = 1
     #: qgZ's bits per gradient value: 4 (packed two to a byte, ZeRO++'s choice) or 8.
     quantized_gradient_bits: Annotated[Literal[4, 8], BeforeValidator(_not_bool)] = 4
+    #: Stage 3 with `fp8.enabled` (recipe tensorwise): the layers' weights are gathered at
+    #: each use, already cast to FP8 (torchtitan's float8 all-gather): half bf16's bytes.
+    fp8_all_gather: _Bool = False
     #: Elements per fp32 scale in qwZ / qgZ's block quantization (even).
     quantization_block_size: _PositiveInt = 256
     #: Stage 3 with explicit collectives: the most elements one full-precision gradient

@@ -196,6 +196,8 @@ def _unsupported(config, mesh: Mesh) -> str | None:
         return f"offload_optimizer.device={zero.offload_optimizer.device}"
     if config.fp8.enabled and config.fp8.recipe == "delayed":  # its state is not carried there
         return "fp8.recipe=delayed"
+    if zero.fp8_all_gather:  # the sharding path gathers what the FP8 matmuls read
+        return "zero_optimization.fp8_all_gather"
     return None
 
 
@@ -238,10 +240,13 @@ def gathered_once(config, mesh: Mesh, plan: Plan, param_count: int):
     per step when they all fit `max_live_parameters`; else None (XLA gathers them where used).
 
     Not with offloaded params (they stream from the host) or a pipeline (each stage holds its
-    own layers).
+    own layers), nor with `fp8_all_gather`: then each use gathers its weights after the FP8
+    matmul has cast them (XLA quantizes the shard and gathers the FP8 values with their scale,
+    half the bytes of the compute dtype's gather; `tests/test_gpu_compile.py`).
     """
     zero = config.zero_optimization
-    if zero.stage < 3 or zero.offload_param.device != "none" or mesh.shape.get(PIPE, 1) > 1:
+    if (zero.stage < 3 or zero.offload_param.device != "none" or mesh.shape.get(PIPE, 1) > 1
+            or zero.fp8_all_gather):
         return None
     return plan.params_gathered if param_count <= zero.max_live_parameters else None
 
