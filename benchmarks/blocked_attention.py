@@ -13,8 +13,8 @@ Forward + backward (`jax.vjp` of the attention, all three input gradients) of
 Headline: seq 8192; `ratio` = reference temp bytes / blocked temp bytes (times less memory).
 
 `--gpu` (benchmarks/gpu_suite.sh) runs on the machine's first GPU instead: seq 32768, bf16, and
-a third path, `fused` (`jax.nn.dot_product_attention`, `implementation=None`: cuDNN's fused
-kernel where it applies), timed beside the other two. With `--gpu --cpu-check` the same three
+a third path, `fused` (`jax.nn.dot_product_attention`, `implementation=None`: in jax 0.11-0.12
+XLA's dense attention, not cuDNN's kernel), timed beside the other two. With `--gpu --cpu-check` the same three
 run on one CPU device at a small size (`fused` is then XLA's own), to check the script.
 """
 

@@ -57,8 +57,8 @@ class AttentionConfig(Section):
 
     `reference` materialises the `[batch, heads, length, length]` scores; `blocked` is
     FlashAttention's algorithm in plain JAX, `O(length * block)` memory
-    (`jaxspeed.attention.blocked_attention`); `fused` is `jax.nn.dot_product_attention` (cuDNN
-    on a GPU); `auto` (default) is `fused` on a GPU and elsewhere `blocked` for sequences
+    (`jaxspeed.attention.blocked_attention`); `fused` is `jax.nn.dot_product_attention` (its
+    default implementation: XLA's dense attention, not cuDNN's kernel); `auto` (default) is `fused` on a GPU and elsewhere `blocked` for sequences
     longer than a block, `reference` for the rest.
     """
 

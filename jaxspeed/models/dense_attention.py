@@ -60,7 +60,8 @@ def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: i
       q, k, v: `[batch, length, heads, head_dim]`.
       impl: `reference` (`causal_attention`: `[batch, heads, length, length]` fp32 scores),
         `blocked` (`jaxspeed.attention.blocked_attention`, O(length * block) memory), `fused`
-        (`jax.nn.dot_product_attention`: cuDNN on a GPU where it applies, XLA elsewhere) or
+        (`jax.nn.dot_product_attention` with its default implementation: XLA's dense attention
+        in jax 0.11-0.12, which materialises the scores; not cuDNN's kernel) or
         `auto`: `fused` on a GPU; elsewhere `blocked` when the sequence is longer than a
         block, else `reference` (one block holds the whole `[length, length]` tile anyway,
         and the reference computes it without the loops).
