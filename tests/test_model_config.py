@@ -51,7 +51,7 @@ def test_gpt_of_the_default_config_is_the_default_gpt():
 
 def test_moe_config_has_the_layers_options_and_defaults():
     layer = {f.name: f.default for f in dataclasses.fields(MoE)
-             if f.name not in ("expert_axis", "param_dtype", "dtype", "parent", "name")}
+             if f.name not in ("expert_axis", "param_dtype", "dtype", "fp8", "parent", "name")}
     config = MoeConfig.model_fields
     # `bias_update_rate` is the optimizer's (the sign rule's step), not the layer's
     assert set(config) == set(layer) | {"every_n_layers", "bias_update_rate"}

@@ -165,9 +165,9 @@ def test_each_worker_draws_its_own_randomness(monkeypatch):
     real = onebit_step._loss_and_grads
 
     def spy(spec, params, micro, rng, scale):  # reports the key each worker sees
-        loss, extras, grads = real(spec, params, micro, rng, scale)
+        loss, extras, grads, fp8_meta = real(spec, params, micro, rng, scale)
         k = (jax.random.key_data(rng)[-1] % 1000).astype(np.float32)
-        return loss, {**extras, "k": k, "k2": k * k}, grads
+        return loss, {**extras, "k": k, "k2": k * k}, grads, fp8_meta
 
     monkeypatch.setattr(onebit_step, "_loss_and_grads", spy)
     engine = js.initialize(config(*ONEBIT))
