@@ -85,13 +85,14 @@ def _exchange(strategy: str, x, routing: Routing, experts: ExpertParams, *, grou
               "expert_data": lambda w: gather_across_hosts(w, expert_axis, hosts=hosts)}
     if strategy in gather:
         experts = ExpertParams(*(None if w is None else gather[strategy](w) for w in experts))
-    ffn = split_ffn(experts, axis=split, activation=opts.activation, fp8=opts.fp8)
+    ffn_of = functools.partial(split_ffn, axis=split, activation=opts.activation, fp8=opts.fp8)
     if strategy == "data":
-        return _on_buffer(x, routing, groups, opts, share(ffn))
+        return _on_buffer(x, routing, groups, opts, share(ffn_of(experts)))
 
     def owners(all_to_all, spans: int):  # the FFN on its owners, `all_to_all` over `spans` hosts
         move = functools.partial(all_to_all, axis=expert_axis, hosts=spans)
-        return share(functools.partial(through_owners, ffn=ffn, opts=opts, ep=ep, move=move))
+        return share(functools.partial(through_owners, experts=experts, ffn_of=ffn_of, opts=opts,
+                                       ep=ep, move=move))
 
     inside = owners(within_host_all_to_all, hosts)
     if strategy != "expert_data" and tokens_cross(sizes, strategy):
@@ -116,15 +117,23 @@ def _on_buffer(x, routing: Routing, groups: int, opts: GatingOptions, ffn):
     return combine(out.reshape(groups * num_experts, capacity, width), routing, impl=opts.impl)
 
 
-def through_owners(buf, *, ffn, opts: GatingOptions, ep: int, move):
-    """The experts' FFN (`ffn`, on `[E / ep, S', M]`) on their slots `buf [E', S, M]`, run
-    where `move` (an all-to-all, `split_axis` experts and `concat_axis` slots) takes each
+def through_owners(buf, *, experts: ExpertParams, ffn_of, opts: GatingOptions, ep: int, move):
+    """The experts' FFN (`ffn_of(experts)`, on `[E / ep, S', M]`) on their slots `buf [E', S, M]`,
+    run where `move` (an all-to-all, `split_axis` experts and `concat_axis` slots) takes each
     expert's slots, and moved back.
 
     With `opts.a2a_chunks` > 1 the `S` slots go out in that many chunks, each its own
     all-to-all, FFN and all-to-all back: chunk i+1's exchange has no dependence on chunk i's
     FFN, so a scheduler that runs collectives asynchronously (XLA:GPU's) overlaps them. The FFN
     is row by row, so the result is the unchunked one.
+
+    Each chunk's FFN reads the weights through an optimization barrier with that chunk's slots
+    (`_weights_for`). Without it XLA:GPU's dot merger (`DotMerger`, for matmuls up to
+    `--xla_gpu_dot_merger_threshold_mb`, 32 MiB by default) turns the chunks' matmuls, which
+    share the weights, into one matmul on the concatenation of all the chunks' slots: it waits
+    for every chunk's exchange, and no chunk's FFN overlaps another chunk's exchange. Measured
+    on jax 0.12.0 and 0.12.1 (`tests/test_moe_a2a_gpu.py`, 2 chunks: 2 matmuls inside
+    exchanges merged, 10 with the barrier).
     """
     row_bytes = buf.shape[0] * buf.shape[2] * buf.dtype.itemsize
     chunks = a2a_chunk_count(opts.a2a_chunks, buf.shape[1], row_bytes, ep,
@@ -132,10 +141,20 @@ def through_owners(buf, *, ffn, opts: GatingOptions, ep: int, move):
 
     def one(part):
         part = move(part, split_axis=0, concat_axis=1)
-        return move(ffn(part), split_axis=1, concat_axis=0)
+        params = experts
+        if chunks > 1:
+            part, params = _weights_for(part, experts)
+        return move(ffn_of(params)(part), split_axis=1, concat_axis=0)
 
     return one(buf) if chunks == 1 else jnp.concatenate(
         [one(part) for part in jnp.split(buf, chunks, axis=1)], axis=1)
+
+
+def _weights_for(part, experts: ExpertParams):
+    """`(part, experts)` through one optimization barrier: the weights as a value of this
+    chunk's own, which no XLA pass merges with another chunk's (the barrier is the identity,
+    and so is its gradient)."""
+    return jax.lax.optimization_barrier((part, experts))
 
 
 def swap_expert_blocks(buf, outer: int, inner: int):
