@@ -214,7 +214,7 @@ def cases(tokamax, config: dict, *, attention=TOKAMAX_ATTENTION, ragged=TOKAMAX_
         impls = {name: expert_ffn(fn) for name, fn in ragged_impls(tokamax, ragged).items()}
         # two grouped matmuls forward, two each backward (d lhs, d rhs)
         flops = 6 * 2 * rows * r["d_model"] * hidden
-        yield ("ragged", f"expert FFN E{experts}x{hidden} T{r['tokens']} top-{r['k']} "
+        yield (f"ragged E{experts}x{hidden}", f"expert FFN E{experts}x{hidden} T{r['tokens']} top-{r['k']} "
                f"M{r['d_model']} bf16 fwd+bwd", impls, expert_ffn(reference_ragged),
                [x, w_in, w_out, jnp.asarray(sizes), d_out], flops, "jaxspeed grouped_matmul")
 
@@ -317,7 +317,7 @@ def dry_run(tokamax) -> int:
     device = deviceless.devices(DRY_RUN_TARGET, 1)[0]
     lines, rows = [], []
     built = list(cases(tokamax, GPU_CASE))  # the inputs on the CPU: only their shapes are used
-    sizes_of = {c[1]: np.asarray(c[4][3]) for c in built if c[0] == "ragged"}
+    sizes_of = {c[1]: np.asarray(c[4][3]) for c in built if c[0].startswith("ragged")}
     with jax.default_device(device), tokamax.config.cross_compile(True):
         for group, case, impls, _, args, flops, baseline in built:
             shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
