@@ -215,3 +215,30 @@ def test_gpt_bf16_step_is_the_same_widened_and_no_larger(monkeypatch, policy):
     extra = {depth: temp["widen", depth] - temp["native", depth] for depth in (layers, 2 * layers)}
     assert extra[layers] <= 4 * widest, temp
     assert extra[2 * layers] <= extra[layers] + widest, temp
+
+
+def test_logits_einsum_takes_a_bf16_cotangent_in_its_backward_dots(monkeypatch):
+    """The LM head's dot: float32 logits forward, and the two backward dots take the
+    cotangent rounded to bf16 (not float32 operands at the TF32 rate on a GPU)."""
+    monkeypatch.setenv(matmul.ENV, "native")
+    a, b = _operands()
+    loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))  # noqa: E731
+    head = lambda a, b: matmul.logits_einsum("blk,kn->bln", a, b)  # noqa: E731
+    plain = lambda a, b: jnp.einsum("blk,kn->bln", a, b,  # noqa: E731
+                                    preferred_element_type=jnp.float32)
+    got = head(a, b)
+    assert got.dtype == jnp.float32
+    assert_close(got, plain(a, b), rtol=mixed_rtol(width=K, depth=1, casts=0, dtype="bfloat16"))
+    got_grads = jax.grad(loss(head), argnums=(0, 1))(a, b)
+    assert [g.dtype for g in got_grads] == [jnp.bfloat16, jnp.bfloat16]
+    # The reference: the plain dot's transposes, fed the cotangent rounded to bf16 by hand.
+    g = jnp.cos(plain(a, b)).astype(jnp.bfloat16)
+    want = (jnp.einsum("bln,kn->blk", g, b, preferred_element_type=jnp.float32),
+            jnp.einsum("blk,bln->kn", a, g, preferred_element_type=jnp.float32))
+    assert_close(got_grads, tuple(w.astype(jnp.bfloat16) for w in want),
+                 rtol=mixed_rtol(width=K * 16, depth=2, casts=2, dtype="bfloat16"))
+    grad_dots = _dot_operand_dtypes(jax.grad(loss(head), argnums=(0, 1)), a, b)
+    assert grad_dots.count(("bfloat16", "bfloat16")) == 3, grad_dots  # forward + 2 backward
+    fp32 = [x.astype(jnp.float32) for x in (a, b)]
+    assert _dot_operand_dtypes(jax.grad(loss(head), argnums=(0, 1)), *fp32) == [
+        ("float32", "float32")] * 3

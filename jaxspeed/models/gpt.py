@@ -245,14 +245,9 @@ class GPT(nn.Module):
         """Residual stream `[batch, length, embed]` → float32 logits `[batch, length, vocab]`."""
         x = self.final_norm(x)
         if self.tie_embeddings:
-            logits = matmul.einsum(
-                "ble,ve->blv", x, cast(self.embedding, x.dtype),
-                preferred_element_type=jnp.float32,
-            )
+            logits = matmul.logits_einsum("ble,ve->blv", x, cast(self.embedding, x.dtype))
         else:
-            logits = matmul.einsum(
-                "ble,ev->blv", x, cast(self.head, x.dtype), preferred_element_type=jnp.float32
-            )
+            logits = matmul.logits_einsum("ble,ev->blv", x, cast(self.head, x.dtype))
         logits = logits.astype(jnp.float32)
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 

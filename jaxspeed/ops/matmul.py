@@ -116,3 +116,40 @@ def _wide_einsum_jvp(spec, out, primals, tangents):
     ]
     y = jnp.einsum(spec, *primals, preferred_element_type=out)
     return y, functools.reduce(jnp.add, terms).astype(y.dtype)
+
+
+def logits_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`einsum(spec, x, w)` into float32, whose backward dots take a bf16 cotangent.
+
+    The LM head's logits are float32 for the loss, so autodiff hands the head's two backward
+    dots a float32 cotangent (`[tokens, vocab]`) and XLA runs them with float32 operands: on a
+    GPU at the TF32 rate, half of bf16's. llama_1b's two were 81 ms of a 528 ms step predicted
+    for an H100 (benchmarks/README.md, `gpu_mfu.py`). Here they take the cotangent rounded to
+    bf16 (Megatron's logits gradient) and still accumulate in float32. Other operand dtypes
+    (float32; fp16, whose range a loss-scaled gradient may leave) keep the plain einsum.
+    """
+    if jnp.dtype(x.dtype) != jnp.bfloat16:
+        return einsum(spec, x, w, preferred_element_type=jnp.float32)
+    return _narrow_grad_einsum(spec, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _narrow_grad_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    return einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def _narrow_grad_fwd(spec, x, w):
+    return _narrow_grad_einsum(spec, x, w), (x, w)
+
+
+def _narrow_grad_bwd(spec, residuals, g):
+    x, w = residuals
+    inputs, out = spec.split("->")
+    x_spec, w_spec = inputs.split(",")
+    g = g.astype(x.dtype)
+    dx = einsum(f"{out},{w_spec}->{x_spec}", g, w, preferred_element_type=jnp.float32)
+    dw = einsum(f"{x_spec},{out}->{w_spec}", x, g, preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_narrow_grad_einsum.defvjp(_narrow_grad_fwd, _narrow_grad_bwd)
