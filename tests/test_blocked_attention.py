@@ -14,7 +14,7 @@ from jaxspeed.config import load_config
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops.losses import lm_loss
 from jaxspeed.models import GPT, build_gpt
-from jaxspeed.models.dense_attention import causal_attention
+from jaxspeed.models.dense_attention import attend, causal_attention
 from numerics import assert_close, mixed_rtol, program_rtol
 from test_benchmarks import check_result, run_quick
 
@@ -199,10 +199,17 @@ def test_build_gpt_reads_model_attention():
     assert model.attention_impl == "fused"
 
 
+def test_cudnn_attention_off_a_gpu_is_a_config_error_naming_the_key():
+    q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+    with pytest.raises(ConfigError, match=r"model\.attention\.impl: cudnn .*NVIDIA GPUs only"):
+        attend(q, q, q, impl="cudnn", block_q=8, block_kv=8)
+
+
 @pytest.mark.parametrize(
     "attention, match",
     [
-        ({"impl": "flash"}, r"model\.attention\.impl: .*'auto', 'fused', 'blocked' or 'reference'"),
+        ({"impl": "flash"},
+         r"model\.attention\.impl: .*'auto', 'fused', 'blocked', 'reference' or 'cudnn'"),
         ({"block_q": 0}, r"model\.attention\.block_q: .*greater than or equal to 1"),
         ({"block_kv": -4}, r"model\.attention\.block_kv: .*greater than or equal to 1"),
         ({"block_kv": "64"}, r"model\.attention\.block_kv: .*valid integer"),
@@ -217,8 +224,9 @@ def test_bad_model_attention_is_a_config_error(attention, match):
 @pytest.mark.parametrize(
     "attention, match",
     [
-        ({"impl": "flash"}, r"model\.attention\.impl: .*'auto', 'fused', 'blocked' or 'reference' "
-                            r"\(got 'flash'\)"),
+        ({"impl": "flash"},
+         r"model\.attention\.impl: .*'auto', 'fused', 'blocked', 'reference' or 'cudnn' "
+         r"\(got 'flash'\)"),
         ({"block_q": 0}, r"model\.attention\.block_q: .*greater than or equal to 1 \(got 0\)"),
         ({"blockq": 8}, r"model\.attention\.blockq: unknown key.*did you mean 'block_q'"),
         ("blocked", r"model\.attention: .*valid dictionary.*\(got 'blocked'\)"),

@@ -33,7 +33,7 @@ NORMS = ("rmsnorm", "layernorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("rotary", "learned")
 #: `model.attention.impl`: how dense causal attention is computed (`jaxspeed.models.attend`).
-ATTENTION_IMPLS = ("auto", "fused", "blocked", "reference")
+ATTENTION_IMPLS = ("auto", "fused", "blocked", "reference", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +58,10 @@ class AttentionConfig(Section):
     `reference` materialises the `[batch, heads, length, length]` scores; `blocked` is
     FlashAttention's algorithm in plain JAX, `O(length * block)` memory
     (`jaxspeed.attention.blocked_attention`); `fused` is `jax.nn.dot_product_attention` (its
-    default implementation: XLA's dense attention, not cuDNN's kernel); `auto` (default) is `fused` on a GPU and elsewhere `blocked` for sequences
-    longer than a block, `reference` for the rest.
+    default implementation: XLA's dense attention, not cuDNN's kernel); `cudnn` is the same call
+    with `implementation="cudnn"`, cuDNN's fused flash attention (NVIDIA GPUs only); `auto`
+    (default) is `fused` on a GPU and elsewhere `blocked` for sequences longer than a block,
+    `reference` for the rest.
     """
 
     impl: Literal[*ATTENTION_IMPLS] = "auto"

@@ -61,8 +61,8 @@ def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: i
       impl: `reference` (`causal_attention`: `[batch, heads, length, length]` fp32 scores),
         `blocked` (`jaxspeed.attention.blocked_attention`, O(length * block) memory), `fused`
         (`jax.nn.dot_product_attention` with its default implementation: XLA's dense attention
-        in jax 0.11-0.12, which materialises the scores; not cuDNN's kernel) or
-        `auto`: `fused` on a GPU; elsewhere `blocked` when the sequence is longer than a
+        in jax 0.11-0.12, which materialises the scores; not cuDNN's kernel), `cudnn` (the same
+        call with cuDNN's fused flash attention: NVIDIA GPUs only, bf16/fp16) or `auto`: `fused` on a GPU; elsewhere `blocked` when the sequence is longer than a
         block, else `reference` (one block holds the whole `[length, length]` tile anyway,
         and the reference computes it without the loops).
       block_q, block_kv: the blocks of `blocked`.
@@ -77,10 +77,16 @@ def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: i
     if impl == "auto":
         longer = window is None and (q.shape[1] > block_q or k.shape[1] > block_kv)
         impl = "fused" if on_gpu() else "blocked" if longer else "reference"
-    if impl == "fused":
+    if impl == "cudnn" and not on_gpu():
+        raise ConfigError(
+            "model.attention.impl: cudnn is cuDNN's fused attention, which runs on NVIDIA GPUs "
+            f"only (JAX's default backend here is {jax.default_backend()!r}); use auto, fused, "
+            "blocked or reference")
+    if impl in ("fused", "cudnn"):
         mask = None if segment_ids is None else same_segment(segment_ids)
         y = jax.nn.dot_product_attention(
-            q, k, v, mask=mask, is_causal=True, implementation=None,
+            q, k, v, mask=mask, is_causal=True,
+            implementation="cudnn" if impl == "cudnn" else None,
             local_window_size=None if window is None else (window - 1, 0))
         return y.astype(v.dtype)
     if impl == "blocked":
