@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Every GPU check in one script, in under 10 minutes on one H200 (a lent machine's budget is 15).
+# Every GPU check in one script, in two device calls of under 10 minutes on one H100/H200.
 #
 #   benchmarks/gpu_suite.sh            on a GPU: first gpu_mfu (llama_1b's tokens/s, MFU and
-#                                      HFU in bf16 and FP8, 50 steps each); then (a) the Pallas kernels, compiled (not
+#                                      HFU in bf16 and FP8, with the config's attention and
+#                                      cuDNN's, 50 steps each) and tokamax (tokamax_compare.py:
+#                                      its attention and ragged_dot kernels against ours, carried
+#                                      wheels); then (a) the Pallas kernels, compiled (not
 #                                      interpreted), against their jnp references: forward and
 #                                      gradients, fp32 and bf16; (b) gpu_engine,
 #                                      gpu_sparse_attention, gpu_moe and gpu_offload, each with
@@ -20,8 +23,8 @@
 #                                      the options (b) uses; first, gpu_mfu --dry-run: llama_1b
 #                                      compiled for one H100, its predicted step and MFU
 #
-# Each part runs under `timeout` and the GPU limits add up to 600 s, so the whole run ends within
-# 10 minutes whatever hangs; a part that fails or runs out of time is named and the rest still
+# Each part runs under `timeout` (the limits add up to 1145 s: two device calls, see the budget
+# below), so a run ends on time whatever hangs; a part that fails or runs out of time is named and the rest still
 # run, and ONLY=kernels,gpu_moe (part names, comma-separated) reruns just those. Each part's wall time is printed, to rebalance the limits after a real run. PYTHON picks
 # the interpreter (default: .venv/bin/python, else python3). Results go to $OUT (the device
 # tool's output folder) or runs/gpu_suite: a log per part and results.jsonl, every benchmark's
@@ -40,7 +43,7 @@ part() {  # part NAME TIMEOUT_S COMMAND...: runs one part, keeps its log, goes o
   case ",${ONLY:-$name}," in *",$name,"*) ;; *) return 0 ;; esac
   timeout -k 2 "$limit" "$@" >"$DEST/$name.log" 2>&1
   status=$?
-  case $name in gpu_*) bench_logs+=("$DEST/$name.log") ;; esac
+  case $name in gpu_*|tokamax) bench_logs+=("$DEST/$name.log") ;; esac
   if [ $status -eq 0 ]; then
     echo "== $name: ok in $((SECONDS - start)) s"; tail -n 1 "$DEST/$name.log"
   else
@@ -77,13 +80,14 @@ case "${1:-}" in
   part gpu_attention 600 "$PY" benchmarks/blocked_attention.py --gpu --cpu-check
   ;;
 "")
-  # Budget (s), compile times included: preflight 20 + gpu_mfu 135 + kernels 55 + gpu_engine 65
-  # + gpu_sparse_attention 50 + gpu_moe 160 + gpu_offload 90 + gpu_attention 25 = 600. The first
-  # H200 run (2026-12-04) took kernels 27, gpu_engine 41, gpu_sparse_attention 37,
-  # gpu_attention 15; gpu_moe ran past its 80 then (it needs about 130). The second, on another
-  # H200, took kernels 45 and gpu_engine 56 (compiles 1.4-1.7x slower). gpu_mfu (two 1B
-  # compiles, 2 x 50 steps of about 0.5 s predicted) came first in 2026-12 and took the
-  # others' margins; it has not run on a GPU yet, so its 135 s is an estimate.
+  # Budget (s), compile times included: preflight 20 + gpu_mfu 420 + tokamax 150 + kernels 70 +
+  # gpu_engine 75 + gpu_sparse_attention 70 + gpu_moe 200 + gpu_offload 110 + gpu_attention 30 =
+  # 1145: more than one device call (600 s) and than a session's lease (900 s). Run it as two
+  # calls, `ONLY=gpu_mfu,tokamax` then the rest, or the rest in a later lease. gpu_mfu is four
+  # 1B cases (bf16, FP8, each again with cuDNN's attention), each a process of its own
+  # (start, compile, 50 steps of about 0.5 s). The first H200 run (2026-12-04) took kernels 27,
+  # gpu_engine 41, gpu_sparse_attention 37, gpu_attention 15, gpu_moe about 130; the second,
+  # on another H200, kernels 45 and gpu_engine 56 (compiles 1.4-1.7x slower).
   timeout -k 2 20 "$PY" - <<'EOF' || { echo "gpu_suite.sh: preflight failed" >&2; exit 2; }
 import sys
 try:
@@ -101,7 +105,8 @@ EOF
   # the GPU, compiled as a user's program is. Their error model (tests/numerics.py) takes fp32
   # matmuls as fp32 sums of fp32 products; XLA and Triton default to TF32 inputs on the GPU,
   # so fp32 runs at "highest" precision (bf16 operands are unaffected).
-  part gpu_mfu 135 "$PY" benchmarks/gpu_mfu.py
+  part gpu_mfu 420 "$PY" benchmarks/gpu_mfu.py
+  part tokamax 150 "$PY" benchmarks/tokamax_compare.py
   part kernels 55 env JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest \
     JAXSPEED_TEST_XLA_OPT=default "$PY" -m pytest -q -p no:cacheprovider "${KERNEL_TESTS[@]}" \
     -k "$KERNEL_SELECT"
