@@ -16,7 +16,7 @@ starts with the whole GPU memory); every figure and its baseline come from this 
   - the loss after 50 steps of each.
 Targets printed beside them: bf16 MFU >= 45% of the spec peak; FP8 >= 1.3x bf16's tokens/s.
 Lines: bf16, fp8, bf16 cudnn, fp8 cudnn (model TFLOP/s against the measured matmul: ratio = MFU
-vs measured), cuDNN's attention against the config's (blocked) in each precision, then the
+vs measured), cuDNN's attention against the config's (pallas) in each precision, then the
 headline: FP8 tokens/s against bf16's (ratio = the speed-up), with the config's attention.
 
 `--dry-run` needs no GPU: it compiles both steps with XLA:GPU for one H100 without a GPU (the

@@ -36,6 +36,7 @@ in that domain; `attention` raises a one-line `ValueError` outside it.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import NamedTuple
 
@@ -88,6 +89,30 @@ class _Static(NamedTuple):
     sm_scale: float
     shared_layout: bool  # one layout for every head
     interpret: object  # None (compiled) or a hashable plgpu.InterpretGPUParams
+    set_blocks: int = 0  # set (query, key) blocks of one batch element, all heads together
+
+
+#: block x block x head_dim products (2 FLOPs each) per set block of each kernel: the forward's
+#: q k^T and p v; dq's recomputed q k^T, do v^T and ds k; dk/dv's recomputed q k^T, p^T do,
+#: do v^T and ds^T q. Diagonal blocks of a causal layout are computed whole, then masked.
+_MATMULS = {"forward": 2, "dq": 3, "dkdv": 4}
+
+
+#: jax 0.12's `plgpu.kernel` takes a cost estimate; 0.11's does not (its kernels then have none).
+_TAKES_COST = "cost_estimate" in inspect.signature(plgpu.kernel).parameters
+
+
+def _cost(kernel: str, q, static: _Static) -> pl.CostEstimate:
+    """The kernel's FLOPs (its matmuls over the set blocks), exponentials and the bytes of
+    its operands and outputs, as XLA's cost analysis and `jaxspeed.cost.roofline` read them
+    (Mosaic GPU puts it in the custom call's `cost_estimate_json`)."""
+    batch, _, _, head_dim = q.shape
+    products = batch * static.set_blocks * static.config.block**2
+    itemsize = jnp.dtype(q.dtype).itemsize
+    tensors = {"forward": 4, "dq": 5, "dkdv": 6}[kernel]  # [b, s, h, d] operands and outputs
+    return pl.CostEstimate(flops=2 * _MATMULS[kernel] * products * head_dim,
+                           transcendentals=products,  # one exp per score, recomputed by each
+                           bytes_accessed=tensors * q.size * itemsize)
 
 
 def supports(block: int, head_dim: int, dtype) -> bool:
@@ -417,7 +442,7 @@ def _dkdv_kernel(cols_gmem, k_gmem, v_gmem, q_gmem, do_gmem, lse_gmem, delta_gme
 # ---- launches -----------------------------------------------------------------------------------
 
 
-def _launch(body, out_type, scratch, static: _Static, q):
+def _launch(body, out_type, scratch, static: _Static, q, kernel: str):
     batch, seq_len, heads, _ = q.shape
     if static.interpret is not None:  # a buffer for the register operand of wgmma (_matmul)
         scratch = (*scratch, _smem((static.config.tile, static.config.block), q.dtype))
@@ -429,6 +454,7 @@ def _launch(body, out_type, scratch, static: _Static, q):
         grid_names=_GRID,
         compiler_params=plgpu.CompilerParams(),
         interpret=static.interpret,
+        **({"cost_estimate": _cost(kernel, q, static)} if _TAKES_COST else {}),
     )
 
 
@@ -446,7 +472,7 @@ def _forward(q, k, v, rows, static: _Static):
     )
     out_type = (out_like((q, k, v), q.shape, q.dtype),
                 out_like((q, k, v), (batch, heads, seq_len), jnp.float32))  # lse, base 2
-    return _launch(_forward_kernel, out_type, scratch, static, q)(rows, q, k, v)
+    return _launch(_forward_kernel, out_type, scratch, static, q, "forward")(rows, q, k, v)
 
 
 def _backward(q, k, v, rows, cols, o, lse, do, static: _Static):
@@ -461,8 +487,8 @@ def _backward(q, k, v, rows, cols, o, lse, do, static: _Static):
         plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
     )
-    dq = _launch(_dq_kernel, out_like((q, k, v, do), q.shape, q.dtype), dq_scratch, static, q)(
-        rows, q, k, v, do, lse, delta)
+    dq = _launch(_dq_kernel, out_like((q, k, v, do), q.shape, q.dtype), dq_scratch, static, q,
+                 "dq")(rows, q, k, v, do, lse, delta)
     dkdv_scratch = (
         operand((tile, head_dim)), operand((tile, head_dim)),
         operand((stages, block, head_dim)), operand((stages, block, head_dim)),
@@ -471,7 +497,7 @@ def _backward(q, k, v, rows, cols, o, lse, do, static: _Static):
         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2 * stages),
     )
     out = out_like((q, k, v, do), k.shape, k.dtype)
-    dk, dv = _launch(_dkdv_kernel, (out, out), dkdv_scratch, static, q)(
+    dk, dv = _launch(_dkdv_kernel, (out, out), dkdv_scratch, static, q, "dkdv")(
         cols, k, v, q, do, lse, delta)
     return dq, dk, dv
 
@@ -527,8 +553,9 @@ def attention(q, k, v, blocks: np.ndarray, *, causal: bool, sm_scale: float, int
     check_fits(config, head_dim, q.dtype, smem_limit)
     if blocks.shape[0] > 1 and (blocks == blocks[:1]).all():
         blocks = blocks[:1]
+    set_blocks = int(blocks.sum()) * (heads if blocks.shape[0] == 1 else 1)
     static = _Static(config, bool(causal), float(sm_scale), blocks.shape[0] == 1,
-                     interpret)
+                     interpret, set_blocks)
     rows, cols = (jnp.asarray(t) for t in layout_tables(blocks))
     dtype = _kernel_dtype(q.dtype)
     out = _attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), rows, cols, static)

@@ -10,6 +10,7 @@ import pytest
 
 from gpu_lowering import lower_for_cuda
 from jaxspeed.attention import blocked_attention
+from jaxspeed.attention.block_sparse import causal_attention as kernel_causal
 from jaxspeed.config import load_config
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops.losses import lm_loss
@@ -209,7 +210,7 @@ def test_cudnn_attention_off_a_gpu_is_a_config_error_naming_the_key():
     "attention, match",
     [
         ({"impl": "flash"},
-         r"model\.attention\.impl: .*'auto', 'fused', 'blocked', 'reference' or 'cudnn'"),
+         r"model\.attention\.impl: .*'auto', 'fused', 'blocked', 'reference', 'cudnn' or 'pallas'"),
         ({"block_q": 0}, r"model\.attention\.block_q: .*greater than or equal to 1"),
         ({"block_kv": -4}, r"model\.attention\.block_kv: .*greater than or equal to 1"),
         ({"block_kv": "64"}, r"model\.attention\.block_kv: .*valid integer"),
@@ -225,7 +226,7 @@ def test_bad_model_attention_is_a_config_error(attention, match):
     "attention, match",
     [
         ({"impl": "flash"},
-         r"model\.attention\.impl: .*'auto', 'fused', 'blocked', 'reference' or 'cudnn' "
+         r"model\.attention\.impl: .*'auto', 'fused', 'blocked', 'reference', 'cudnn' or 'pallas' "
          r"\(got 'flash'\)"),
         ({"block_q": 0}, r"model\.attention\.block_q: .*greater than or equal to 1 \(got 0\)"),
         ({"blockq": 8}, r"model\.attention\.blockq: unknown key.*did you mean 'block_q'"),
@@ -255,3 +256,57 @@ def test_auto_is_blocked_beyond_one_block_on_cpu(monkeypatch, length, want):
     q = jnp.zeros((1, length, 2, 8))
     gpt.attend(q, q, q, impl="auto", block_q=BLOCK, block_kv=BLOCK)
     assert called == [want]
+
+
+# ---- model.attention.impl: pallas --------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_pallas_impl_equals_the_reference(kernel):
+    """`pallas`: the causal block layout through block-sparse attention; off a GPU its XLA path,
+    and (kernel=True) the Pallas kernel itself, interpreted."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (1, 128, 2, 16), jnp.float32) for key in keys)
+    impl = "pallas" if kernel else "auto"
+
+    def loss(attention):
+        return lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v)))
+
+    got = jax.value_and_grad(loss(lambda q, k, v: kernel_causal(q, k, v, impl=impl)),
+                             argnums=(0, 1, 2))(q, k, v)
+    want = jax.value_and_grad(loss(causal_attention), argnums=(0, 1, 2))(q, k, v)
+    # the online softmax over 2 blocks of 64 against one softmax: sums of width 128, a rescale
+    # per block, the backward's chained matmuls
+    assert_close(got, want, rtol=program_rtol(width=128, depth=12))
+
+
+def test_gpt_pallas_attention_equals_reference_loss():
+    tiny = {**TINY, "max_seq_len": 128}
+    tokens = jax.random.randint(jax.random.key(0), (2, 129), 0, TINY["vocab_size"])
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    params = nn.unbox(jax.jit(GPT(**tiny).init)(jax.random.key(1), batch["inputs"]))
+
+    def loss_and_grads(impl):
+        model = GPT(**tiny, attention_impl=impl)
+        loss = lambda p: lm_loss(model.apply(p, batch["inputs"]), batch)
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    width = max(2 * 128, tiny["d_model"], tiny["d_ff"], tiny["vocab_size"])
+    rtol = program_rtol(width=width, depth=3 * ((8 + 3) * tiny["n_layers"] + 4))
+    assert_close(loss_and_grads("pallas"), loss_and_grads("reference"), rtol=rtol)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"window": 32}, r"model\.sliding_window cannot run with model\.attention\.impl: pallas"),
+    ({"segment_ids": jnp.zeros((1, 128), jnp.int32)},
+     r"packed documents .*attention\.impl: pallas"),
+])
+def test_pallas_impl_refuses_what_the_kernel_does_not_take(kwargs, match):
+    q = jnp.zeros((1, 128, 2, 16))
+    with pytest.raises(ConfigError, match=match):
+        attend(q, q, q, impl="pallas", block_q=64, block_kv=64, **kwargs)
+
+
+def test_pallas_impl_needs_a_sequence_of_whole_blocks():
+    q = jnp.zeros((1, 96, 2, 16))
+    with pytest.raises(ConfigError, match=r"impl: pallas needs data\.seq_len a multiple of 64"):
+        attend(q, q, q, impl="pallas", block_q=64, block_kv=64)

@@ -4,10 +4,14 @@ attention, SwiGLU, RMSNorm, Llama 3 rotary), one H100. Needs the gpu-compile ext
 
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
-from gpu_compile import needs_gpu_compile
+from gpu_compile import compile_for_gpu, needs_gpu_compile
 
+from jaxspeed.attention.block_sparse import CAUSAL_BLOCKS, causal_attention
 from jaxspeed.cli import main
+from jaxspeed.cost import roofline
 from jaxspeed.config import load_config
 from jaxspeed.cost.flops import model_train_flops
 from jaxspeed.cost.peaks import GPU_PEAKS
@@ -47,3 +51,42 @@ def test_plan_json_predicts_step_time_mfu_and_hfu(capsys):
     text = "\n".join(format_roofline(report))
     assert f"predicted step {seconds * 1e3:.1f} ms" in text and f"MFU {mfu:.1%}" in text
     assert "HFU" in text and top[0]["name"] in text
+
+
+@needs_gpu_compile
+def test_pallas_attention_kernels_are_priced_by_the_flops_they_declare():
+    """Our Mosaic GPU attention kernels declare their FLOPs (`pl.CostEstimate`); the roofline
+    prices each custom call by them: 2 + 3 + 4 block matmuls (forward, dq, dk/dv) per set
+    block of the causal layout, not by its bytes alone."""
+    batch, seq, heads, head_dim = 2, 1024, 4, 64
+    x = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = causal_attention(q, k, v, impl="pallas")
+        return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+    text = compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), x, x, x).as_text()
+    peaks = GPU_PEAKS["H100"]
+    kernels = [op for op in roofline.op_costs(text, peaks=peaks, hbm=3.35e12)
+               if op.kind == "kernel"]
+    assert len(kernels) == 3  # forward, dq, dk/dv
+    block = CAUSAL_BLOCKS[0]
+    blocks = seq // block
+    products = batch * heads * blocks * (blocks + 1) // 2 * block * block
+    assert sum(op.flops * op.executions for op in kernels) == 2 * 9 * products * head_dim
+    for op in kernels:
+        assert op.seconds >= op.flops / (peaks.bf16 * roofline.MATMUL_EFFICIENCY)
+
+
+@needs_gpu_compile
+def test_loops_of_unknown_trip_count_are_counted_and_named(capsys):
+    """`attention.impl: blocked`'s causal inner loops run a data-dependent number of times:
+    the report counts them (each priced once) and says the prediction is a lower bound; the
+    config's Pallas kernel leaves none."""
+    blocked = json.loads(plan(capsys, "--json", "--set", "model.attention.impl=blocked",
+                              "--set", "model.attention.block_q=64",
+                              "--set", "model.attention.block_kv=64"))
+    assert blocked["unknown_trip_loops"] >= 2  # forward and backward, in each layer's body
+    assert "priced at one trip each" in "\n".join(format_roofline(blocked))
+    kernel = json.loads(plan(capsys, "--json"))  # configs/llama_1b.yaml: impl pallas
+    assert kernel["unknown_trip_loops"] == 0

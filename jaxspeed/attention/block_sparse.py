@@ -74,6 +74,28 @@ def block_sparse_attention(q, k, v, layout, *, causal: bool = False,
     return _xla_attention(q, k, v, plan, scale)
 
 
+#: Layout blocks `causal_attention` takes, largest first (the Mosaic GPU kernel's: 128, 64).
+CAUSAL_BLOCKS = (128, 64)
+
+
+def causal_attention(q, k, v, *, impl: str = "auto"):
+    """Dense causal attention as block-sparse attention over the lower-triangular layout of
+    the largest block in `CAUSAL_BLOCKS` dividing the sequence: on a GPU the Pallas kernel
+    (FlashAttention-2; the blocks above the diagonal skipped, the diagonal ones masked),
+    elsewhere (or for a shape the kernel does not take) the XLA path, as `impl` says.
+
+    Raises:
+      ValueError: a sequence that no block in `CAUSAL_BLOCKS` divides.
+    """
+    seq_len = q.shape[1]
+    block = next((b for b in CAUSAL_BLOCKS if seq_len % b == 0), None)
+    if block is None:
+        raise ValueError(f"sequence length {seq_len} is not a multiple of any of {CAUSAL_BLOCKS}")
+    blocks = seq_len // block
+    layout = np.tril(np.ones((1, blocks, blocks), np.int32))
+    return block_sparse_attention(q, k, v, layout, causal=True, impl=impl)
+
+
 def _kernel_takes(q, layout) -> bool:
     """Whether the kernel for the device compiled for takes this call: on sm_90 and newer the
     Mosaic GPU kernel takes blocks and head dims of 64 or 128 in 16-bit dtypes (it would round

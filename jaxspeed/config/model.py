@@ -33,7 +33,7 @@ NORMS = ("rmsnorm", "layernorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("rotary", "learned")
 #: `model.attention.impl`: how dense causal attention is computed (`jaxspeed.models.attend`).
-ATTENTION_IMPLS = ("auto", "fused", "blocked", "reference", "cudnn")
+ATTENTION_IMPLS = ("auto", "fused", "blocked", "reference", "cudnn", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,10 @@ class AttentionConfig(Section):
     FlashAttention's algorithm in plain JAX, `O(length * block)` memory
     (`jaxspeed.attention.blocked_attention`); `fused` is `jax.nn.dot_product_attention` (its
     default implementation: XLA's dense attention, not cuDNN's kernel); `cudnn` is the same call
-    with `implementation="cudnn"`, cuDNN's fused flash attention (NVIDIA GPUs only); `auto`
+    with `implementation="cudnn"`, cuDNN's fused flash attention (NVIDIA GPUs only); `pallas`
+    is our Pallas FlashAttention kernel over the causal block layout (Mosaic GPU on Hopper,
+    Triton on older GPUs; block-sparse attention's XLA path off a GPU; no sliding window or
+    packed documents; `block_q`/`block_kv` do not apply: it takes blocks of 128 or 64); `auto`
     (default) is `fused` on a GPU and elsewhere `blocked` for sequences longer than a block,
     `reference` for the rest.
     """

@@ -143,6 +143,9 @@ def format_roofline(report: dict[str, Any]) -> list[str]:
         f"collectives {by['link'] * 1e3:.1f} ms",
         "  costliest ops (ms per step, x executions):",
     ]
+    if report.get("unknown_trip_loops"):
+        lines.insert(2, f"  {report['unknown_trip_loops']} while loops of unknown trip count are "
+                        "priced at one trip each: the prediction is a lower bound")
     lines += [f"    {op['seconds'] * 1e3:8.2f}  x{op['executions']:<4d} {op['kind']:10s} "
               f"{op['bound']:7s} {op['name']}  {op['source'][-60:]}"
               for op in report["top_ops"]]

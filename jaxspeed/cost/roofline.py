@@ -7,12 +7,15 @@ The model, for optimized HLO text (`compiled.as_text()`, deviceless included: th
   fusion) takes `max(flops / peak(dtype), bytes / hbm_bandwidth)`. `bytes` are its operands
   and its result (`jaxspeed.cost.flops` counts them; an in-place update its update only,
   cuBLAS's workspace not at all). `flops` are its matmuls': the `dot`s it fuses, a cuBLAS /
-  cuBLASLt gemm, or a cuDNN fused attention (2 matmuls forward, 5 backward, half of them under
-  a causal mask). The peak follows the operands: FP8 (`f8e4m3fn`, `f8e5m2`) at the FP8 peak,
+  cuBLASLt gemm, a cuDNN fused attention (2 matmuls forward, 5 backward, half of them under
+  a causal mask), or what a Pallas kernel declares (`pl.CostEstimate`, which Mosaic GPU keeps
+  in its custom call; a kernel that declares none is priced by its bytes alone). The peak follows the operands: FP8 (`f8e4m3fn`, `f8e5m2`) at the FP8 peak,
   fp32 at TF32 (XLA's default precision), else bf16 (`jaxspeed.cost.peaks.GPU_PEAKS`).
 - A collective takes its bytes (`jaxspeed.cost.hlo.collectives`; an all-reduce twice, as a
   ring sends its buffer out and back) over the GPU's NVLink rate, one direction.
-- The step is the sum over the program: a `while` body times its trip count, every branch of
+- The step is the sum over the program: a `while` body times its trip count (once where XLA
+  does not know it, as for `attention.impl: blocked`'s causal loops: `unknown_trip_loops`
+  counts them, and the prediction is then a lower bound), every branch of
   a conditional (an upper bound), ops one after another (no overlap of collectives with
   compute, no concurrent kernels), no launch gaps.
 
@@ -30,7 +33,7 @@ import re
 from jaxspeed.cost.flops import bytes_moved, fused_dots
 from jaxspeed.cost.hlo import (
     Dot, Instruction, array_bytes, callees, collective_kind, collectives, custom_call_target,
-    operands, parse, parse_gemm,
+    operands, parse, parse_gemm, trip_count,
 )
 from jaxspeed.cost.peaks import GpuPeaks
 
@@ -45,6 +48,9 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "whil
          "send", "send-done", "recv", "recv-done"}
 _FP8 = re.compile(r"^f8e\d")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+#: The FLOPs a Pallas kernel declares (`pl.CostEstimate`), which Mosaic GPU writes into its
+#: custom call's backend config as JSON with escaped quotes: `cost_estimate_json = "{\22flops\22: N`.
+_DECLARED_FLOPS = re.compile(r'cost_estimate_json = "\{\\22flops\\22: (\d+)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +144,11 @@ def price_op(ins: Instruction, own: dict[str, list[Instruction]], types: dict[st
              peaks: GpuPeaks, hbm: float, efficiency: float = MATMUL_EFFICIENCY) -> OpCost:
     """One op (not a collective) at its roofline on a GPU of `peaks` and `hbm` bytes/s."""
     target = custom_call_target(ins) or ""
+    declared = _DECLARED_FLOPS.search(ins.tail) if target else None
     if target.startswith("__cudnn$fmha"):
         kind, flops, rate = "attention", attention_flops(ins, types), peaks.bf16
+    elif declared:  # a Pallas kernel's own count (16-bit operands: jaxspeed's kernels)
+        kind, flops, rate = "kernel", float(declared.group(1)), peaks.bf16
     else:
         gemm = parse_gemm(ins, types)
         found = [gemm] if gemm is not None else fused_dots(ins, own, types)
@@ -201,9 +210,15 @@ def predict(hlo_text: str, *, peaks: GpuPeaks, hbm: float, model_flops: float,
       `predicted_step_seconds`; `predicted_mfu` (model FLOPs over the step at the bf16 peak);
       `predicted_hfu` (the matmul FLOPs found in the program, recomputation included, likewise);
       the seconds bound by compute, memory and links; the program's FLOPs and bytes; `top_ops`
-      (name, kind, bound, seconds per step, the jax op); and the model's figures.
+      (name, kind, bound, seconds per step, the jax op); `unknown_trip_loops`, the `while`
+      loops whose trip count XLA does not know (each priced as one trip: then the prediction
+      is a lower bound); and the model's figures.
     """
     ops = op_costs(hlo_text, peaks=peaks, hbm=hbm, num_devices=num_devices, efficiency=efficiency)
+    own, executions, _ = parse(hlo_text)
+    unknown_trips = sum(1 for computation, instructions in own.items()
+                        if executions.get(computation) for ins in instructions
+                        if ins.op == "while" and trip_count(ins) is None)
     seconds = sum(op.total_seconds for op in ops)
     bound = {b: sum(op.total_seconds for op in ops if op.bound == b)
              for b in ("compute", "memory", "link")}
@@ -218,6 +233,7 @@ def predict(hlo_text: str, *, peaks: GpuPeaks, hbm: float, model_flops: float,
         "model_flops": model_flops,
         "bytes": sum(op.bytes * op.executions for op in ops if op.kind != "collective"),
         "ops": len(ops),
+        "unknown_trip_loops": unknown_trips,
         "top_ops": [{"name": op.name, "kind": op.kind, "bound": op.bound,
                      "seconds": op.total_seconds, "executions": op.executions,
                      "source": op.source} for op in costliest],

@@ -7,6 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxspeed.attention.block_sparse import CAUSAL_BLOCKS
+from jaxspeed.attention.block_sparse import causal_attention as kernel_causal_attention
 from jaxspeed.attention.blocked import blocked_attention
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops import matmul
@@ -62,7 +64,9 @@ def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: i
         `blocked` (`jaxspeed.attention.blocked_attention`, O(length * block) memory), `fused`
         (`jax.nn.dot_product_attention` with its default implementation: XLA's dense attention
         in jax 0.11-0.12, which materialises the scores; not cuDNN's kernel), `cudnn` (the same
-        call with cuDNN's fused flash attention: NVIDIA GPUs only, bf16/fp16) or `auto`: `fused` on a GPU; elsewhere `blocked` when the sequence is longer than a
+        call with cuDNN's fused flash attention: NVIDIA GPUs only, bf16/fp16), `pallas`
+        (`jaxspeed.attention.block_sparse.causal_attention`: our Pallas FlashAttention kernel
+        over the causal block layout on a GPU, its XLA path elsewhere) or `auto`: `fused` on a GPU; elsewhere `blocked` when the sequence is longer than a
         block, else `reference` (one block holds the whole `[length, length]` tile anyway,
         and the reference computes it without the loops).
       block_q, block_kv: the blocks of `blocked`.
@@ -89,6 +93,17 @@ def attend(q: Array, k: Array, v: Array, *, impl: str, block_q: int, block_kv: i
             implementation="cudnn" if impl == "cudnn" else None,
             local_window_size=None if window is None else (window - 1, 0))
         return y.astype(v.dtype)
+    if impl == "pallas":
+        if window is not None or segment_ids is not None:
+            what = "model.sliding_window" if window is not None else "packed documents (segment ids)"
+            raise ConfigError(
+                f"{what} cannot run with model.attention.impl: pallas (the kernel takes a plain "
+                "causal mask); set model.attention.impl: auto, fused or reference")
+        if q.shape[1] % CAUSAL_BLOCKS[-1]:
+            raise ConfigError(
+                f"model.attention.impl: pallas needs data.seq_len a multiple of "
+                f"{CAUSAL_BLOCKS[-1]}, got {q.shape[1]}")
+        return kernel_causal_attention(q, k, v)
     if impl == "blocked":
         if window is not None:
             raise ConfigError(
