@@ -4,7 +4,9 @@ tokamax (PyPI, Google's Pallas kernel library) covers two of our GPU kernels:
   - attention: llama_1b's (`configs/llama_1b.yaml`: batch 4, seq 4096, 32 heads, 8 KV heads,
     head dim 64, causal, bf16), forward+backward. Ours: `blocked` (the config's:
     `jaxspeed.attention.blocked_attention`, FlashAttention's algorithm in plain JAX, blocks of
-    512) and `fused` (`jax.nn.dot_product_attention`: XLA's dense attention). tokamax's
+    512), `pallas` (`model.attention.impl: pallas`: our Pallas FlashAttention kernel over the
+    causal block layout, Mosaic GPU on Hopper) and `fused` (`jax.nn.dot_product_attention`:
+    XLA's dense attention). tokamax's
     `dot_product_attention` implementations: `mosaic` (Mosaic GPU), `triton` (Pallas Triton),
     `cudnn` (jax.nn's cuDNN path), `xla`, `xla_chunked`.
   - grouped experts: the expert FFN of `gpu_moe.py`'s layer (T 4096 tokens, top-2, so 8192
@@ -94,6 +96,7 @@ def attention_impls(tokamax, case: dict, names=TOKAMAX_ATTENTION) -> dict:
     import jax
 
     from jaxspeed.attention import blocked_attention
+    from jaxspeed.attention.block_sparse import causal_attention
     from jaxspeed.models.dense_attention import share_kv_heads
 
     def blocked(q, k, v):
@@ -101,7 +104,11 @@ def attention_impls(tokamax, case: dict, names=TOKAMAX_ATTENTION) -> dict:
         return blocked_attention(q, k, v, causal=True, block_q=case["block"],
                                  block_kv=case["block"])
 
+    def kernel(q, k, v):  # model.attention.impl: pallas (its XLA path off a GPU)
+        return causal_attention(q, *share_kv_heads(k, v, q.shape[2]))
+
     impls = {"jaxspeed blocked": blocked,
+             "jaxspeed pallas (our kernel)": kernel,
              "jaxspeed fused (jax.nn, XLA)":
                  lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)}
     for name in names if tokamax else ():
