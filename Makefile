@@ -8,7 +8,7 @@ CONFIG ?= configs/gpt_tiny.yaml
 OUTPUT ?= runs/gpt_tiny
 TRAIN_ARGS ?=
 
-.PHONY: install train test test-fast test-jax-min test-gpu-compile test-wheel bench-slow-network-quick plan maxtext bench-maxtext clean
+.PHONY: install train test test-fast test-jax-min test-gpu-compile test-wheel test-slurm bench-slow-network-quick plan maxtext bench-maxtext clean
 
 install: $(STAMP)
 
@@ -79,6 +79,15 @@ test-gpu-compile: $(STAMP)
 WHEEL_WORK ?= $(or $(TMPDIR),/tmp)/jaxspeed-test-wheel
 test-wheel: $(STAMP)
 	tools/test_wheel.sh $(PY) $(WHEEL_WORK)
+
+# A real SLURM cluster of two nodes on this machine (tools/local_slurm.sh: root, a network
+# namespace per node, slurm-wlm installed with apt-get when missing), taken down afterwards
+# whatever happens: examples/slurm/train.sbatch (the README's script) trained on it against one
+# process, and ranks that never come named within the start-up timeout. About 3-4 minutes.
+test-slurm: $(STAMP)
+	tools/local_slurm.sh up 2
+	$(PY) -m pytest -p no:cacheprovider -m slurm tests/test_slurm.py; \
+	  status=$$?; tools/local_slurm.sh down; exit $$status
 
 # Training across a real 100 Mbit/s link between two network namespaces (root, ip, tc with tbf,
 # taskset; otherwise one line and exit 0): the link measured (TCP, calibrate across it), AdamW and

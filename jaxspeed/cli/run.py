@@ -28,7 +28,10 @@ def train_command(args) -> int:
         load_config_args(args), output_dir=args.output, steps=args.steps,
         progress=False if args.no_progress else None, force=args.force,
     )
-    print(json.dumps({"output": str(args.output), **record}))
+    import jax
+
+    if jax.process_index() == 0:  # one record for the run, as its metrics and progress
+        print(json.dumps({"output": str(args.output), **record}))
     return 0
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import jax
 
 from jaxspeed.errors import ConfigError, JaxspeedError
+from jaxspeed.runtime.rendezvous import rendezvous
 
 ENV_COORDINATOR = "JAXSPEED_COORDINATOR"  # "host:port" of process 0's coordination service
 ENV_NUM_PROCESSES = "JAXSPEED_NUM_PROCESSES"
@@ -84,9 +85,12 @@ def initialize(
       initialization_timeout: seconds to wait for every process at start-up (default:
         `JAXSPEED_INIT_TIMEOUT`, else 300).
 
+    Before JAX's own start-up, the processes meet at `jaxspeed.runtime.rendezvous` (the
+    coordinator's port + 1), which says every few seconds who is still waiting, and where.
+
     Raises:
-      JaxspeedError: when the runtime does not start (e.g. a process did not arrive at the
-        start-up barrier in time), naming the coordinator and this process's rank.
+      JaxspeedError: when the runtime does not start: process 0 names the ranks that did not
+        arrive at the start-up barrier in time, the others the coordinator.
     """
     env = os.environ
     if coordinator_address is None:
@@ -98,6 +102,10 @@ def initialize(
     if initialization_timeout is None:
         initialization_timeout = _env_int(env, ENV_INIT_TIMEOUT) or DEFAULT_INIT_TIMEOUT
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    address, count, rank = _detected(coordinator_address, num_processes, process_id,
+                                     initialization_timeout)
+    if address and count and rank is not None:
+        rendezvous(address, count, rank, initialization_timeout)
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator_address,
@@ -108,8 +116,8 @@ def initialize(
         )
     except (RuntimeError, ValueError) as err:
         where = (
-            f"coordinator {coordinator_address}, process {process_id} of {num_processes}"
-            if coordinator_address
+            f"coordinator {address}, process {rank} of {count}"
+            if address
             else "cluster auto-detection"
         )
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -117,6 +125,22 @@ def initialize(
             f"jax.distributed.initialize failed ({where}, timeout {initialization_timeout} s): "
             f"{first}"
         ) from err
+
+
+def _detected(address, count, rank, timeout):
+    """`(coordinator address, process count, rank)` as `jax.distributed.initialize` will take
+    them: the given ones, the rest from the cluster JAX detects (SLURM, Open MPI, ...); None
+    where neither says."""
+    if address is not None and count is not None and rank is not None:
+        return address, count, rank
+    try:
+        from jax._src.clusters import ClusterEnv
+
+        address, count, rank, _ = ClusterEnv.auto_detect_unset_distributed_params(
+            address, count, rank, None, None, timeout)
+    except Exception:  # noqa: BLE001 - no barrier then; initialize reports the real error
+        pass
+    return address, count, rank
 
 
 #: device → the process it stands for, inside `emulated_processes`
