@@ -1,7 +1,9 @@
-"""The run folder: one writer at a time (its lock), and a folder that cannot be made."""
+"""The run folder: one writer at a time (its lock), a folder that cannot be made, and
+metrics.jsonl after a crash and resume."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import jaxspeed as js
 from jaxspeed.cli import main
 from jaxspeed.errors import ConfigError
 from jaxspeed.train import loop
+from jaxspeed.train.metrics_log import drop_records_after
 from jaxspeed.train.run_dir import LOCK_NAME, RunFolderBusy, acquire_lock, run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,6 +129,31 @@ def test_an_output_that_cannot_be_created_is_one_line(tmp_path, capsys, monkeypa
     assert len(err) == 1 and str(out) in err[0] and "cannot be created" in err[0], err
     with pytest.raises(ConfigError, match="cannot be created"):
         js.train_model(tiny_config(), output_dir=out, steps=2)
+
+
+def test_drop_records_after_keeps_the_steps_up_to_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4))
+                    + '{"step": 5, "lo')  # cut short by the crash
+    assert drop_records_after(path, 2) == 3
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    assert drop_records_after(path, 2) == 0
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+def test_resume_after_a_crash_logs_each_step_once(tmp_path):
+    """A crash after step 4 was logged but before it was saved: the resume from step 2 logs
+    steps 3 and 4 again, and metrics.jsonl holds each step once, as a straight run's does."""
+    cfg = tiny_config("checkpoint.every_n_steps=2", "checkpoint.async=false")
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    js.train_model(cfg, output_dir=straight, steps=4, progress=False)
+    shutil.copytree(straight, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "4")  # the save of step 4 never happened
+    js.train_model(cfg, output_dir=crashed, steps=4, progress=False)
+    read = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert [r["step"] for r in read(crashed)] == [1, 2, 3, 4]
+    assert [r["loss"] for r in read(crashed)] == [r["loss"] for r in read(straight)]
+    assert not (crashed / LOCK_NAME).exists()
 
 
 def test_a_locked_output_stops_every_process_of_a_launch(tmp_path, live_pid, monkeypatch):

@@ -271,7 +271,9 @@ def train(
     complete one (or, when there is none, starting from `checkpoint.load_from`'s params at step
     0). A checkpoint saved with another config is refused (`jaxspeed.train.resume`, unless
     `checkpoint.resume: force`); one past `steps` is an error (`NothingToTrain`); one at `steps`
-    returns its record with a line on stderr saying there is nothing to train.
+    returns its record with a line on stderr saying there is nothing to train. A resumed run
+    drops the records of the steps after its checkpoint from `metrics.jsonl` (it logs them
+    again; `metrics_log.drop_records_after`).
 
     `output_dir` is created, or refused with a `ConfigError`, before anything starts, and
     process 0 holds its lock while the run lasts: a second run into it is refused with
@@ -323,7 +325,8 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
             state = _restore_or_init(engine, config, ckpt, latest)
         start = int(jax.device_get(state.step))
         batches = _train_batches(engine, dataset, start, saved_meta.get("data_state"))
-        log = MetricsLog(output_dir, tensorboard=config.logging.tensorboard, enabled=is_main)
+        log = MetricsLog(output_dir, tensorboard=config.logging.tensorboard, enabled=is_main,
+                         start_step=start)
         every = max(1, config.logging.every_n_steps)
         save_every = config.checkpoint.every_n_steps
         save_seconds = config.checkpoint.every_n_minutes * 60
