@@ -5,7 +5,8 @@ saved with the same config (`jaxspeed.train.resume`); the data order and RNG con
 as if it had never stopped (byte data: batches are a function of the step; token-file data:
 the Grain iterator's state is saved in the checkpoint's JSON record). It saves at the end,
 every `checkpoint.every_n_steps` steps and every `checkpoint.every_n_minutes` minutes.
-SIGTERM or SIGINT (preemption, Ctrl-C) finishes the current step, saves, and stops.
+SIGTERM or SIGINT (preemption, Ctrl-C) finishes the current step, saves, and stops. The output
+folder is created and locked against a second run before anything starts (`run_dir`).
 
 Progress goes to stderr from process 0 (`jaxspeed.runtime.progress`): the start-up phases,
 then a bar on a terminal or a plain line every `JAXSPEED_PROGRESS_SECONDS` elsewhere.
@@ -19,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from jaxspeed.cost.fit import DoesNotFit, device_memory, engine_verdict
 from jaxspeed.data.grain_loader import GrainTokenDataset, make_dataset
 from jaxspeed.train.metrics_log import MetricsLog, TrainRecord, last_record
 from jaxspeed.train.resume import check_config, check_steps
+from jaxspeed.train.run_dir import run_folder
 from jaxspeed.cost.flops import model_train_flops
 from jaxspeed.cost.peaks import mfu, peak_flops
 from jaxspeed.runtime.progress import Progress, phase
@@ -156,6 +158,26 @@ def _agreed(*flags: bool) -> tuple[bool, ...]:
     return tuple(bool(x) for x in np.asarray(seen).reshape(-1, len(flags)).any(axis=0))
 
 
+@contextmanager
+def _run_folder(output_dir: Path, *, writer: bool):
+    """The run folder, created and locked by the process that writes it (process 0) while the
+    run lasts (`jaxspeed.train.run_dir`). The others wait for its verdict, so every process
+    stops when it is refused."""
+    with ExitStack() as held:
+        failed: JaxspeedError | None = None
+        if writer:
+            try:
+                held.enter_context(run_folder(output_dir))
+            except JaxspeedError as err:
+                failed = err
+        (refused,) = _agreed(failed is not None)
+        if failed is not None:
+            raise failed
+        if refused:
+            raise JaxspeedError(f"process 0 could not take the output folder {output_dir} (its error says why)")
+        yield
+
+
 def _check_finite(config: Config, metrics: dict[str, float], step: int, ckpt) -> None:
     """bf16/fp32: a non-finite loss stops the run before anything non-finite is saved."""
     if config.fp16.enabled:  # fp16 skips such steps through loss scaling instead
@@ -249,7 +271,13 @@ def train(
     complete one (or, when there is none, starting from `checkpoint.load_from`'s params at step
     0). A checkpoint saved with another config is refused (`jaxspeed.train.resume`, unless
     `checkpoint.resume: force`); one past `steps` is an error (`NothingToTrain`); one at `steps`
-    returns its record with a line on stderr saying there is nothing to train.
+    returns its record with a line on stderr saying there is nothing to train. A resumed run
+    drops the records of the steps after its checkpoint from `metrics.jsonl` (it logs them
+    again; `metrics_log.drop_records_after`).
+
+    `output_dir` is created, or refused with a `ConfigError`, before anything starts, and
+    process 0 holds its lock while the run lasts: a second run into it is refused with
+    `RunFolderBusy` naming the holder's pid and host (`jaxspeed.train.run_dir`).
 
     When the device memory is known (`hardware.device_memory`, or reported by the
     accelerator), a plan whose compiled step does not fit is refused with `DoesNotFit`
@@ -267,7 +295,14 @@ def train(
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
     is_main = jax.process_index() == 0
-    show = progress is not False and is_main
+    with _run_folder(Path(output_dir), writer=is_main):  # before anything starts
+        return _train(config, Path(output_dir), steps, is_main=is_main,
+                      show=progress is not False and is_main, force=force)
+
+
+def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show: bool,
+           force: bool) -> TrainRecord:
+    """`train` in its locked run folder."""
     engine = initialize(config)  # quick (nothing compiles), and where config errors show
     ckpt_dir = Path(config.checkpoint.dir or Path(output_dir) / "checkpoints")
     # a refused plan leaves no checkpoint folder behind: open it here only when it exists
@@ -290,7 +325,8 @@ def train(
             state = _restore_or_init(engine, config, ckpt, latest)
         start = int(jax.device_get(state.step))
         batches = _train_batches(engine, dataset, start, saved_meta.get("data_state"))
-        log = MetricsLog(output_dir, tensorboard=config.logging.tensorboard, enabled=is_main)
+        log = MetricsLog(output_dir, tensorboard=config.logging.tensorboard, enabled=is_main,
+                         start_step=start)
         every = max(1, config.logging.every_n_steps)
         save_every = config.checkpoint.every_n_steps
         save_seconds = config.checkpoint.every_n_minutes * 60

@@ -3,6 +3,7 @@
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, NotRequired, Required, TypedDict
 
@@ -47,19 +48,27 @@ class MetricsLog:
 
     Only process 0 writes. Non-finite floats are written as strings ("nan", "inf") so each
     line stays valid JSON.
+
+    Args:
+      start_step: the step the run starts from (its checkpoint's; 0 for a fresh start). The
+        records of later steps, logged by an earlier run that stopped before it saved them,
+        are dropped (`drop_records_after`) and hidden from TensorBoard (`purge_step`), because
+        this run logs those steps again.
     """
 
-    def __init__(self, out_dir: str | Path, *, tensorboard: bool = False, enabled: bool = True):
+    def __init__(self, out_dir: str | Path, *, tensorboard: bool = False, enabled: bool = True,
+                 start_step: int = 0):
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self._tb = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        drop_records_after(self.path, start_step)
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(out_dir) / "tb"))
+            self._tb = SummaryWriter(str(Path(out_dir) / "tb"), purge_step=start_step + 1)
 
     def write(self, record: TrainRecord | dict[str, Any]) -> None:
         if not self.enabled:
@@ -85,6 +94,48 @@ def _jsonable(value):
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def drop_records_after(path: Path, step: int) -> int:
+    """Rewrites the metrics file `path` without the records of steps after `step`, and without
+    lines cut short by a crash; returns how many lines it dropped.
+
+    A run that crashed after its last checkpoint logged steps that its resume trains and logs
+    again. Dropping them, rather than appending a resume marker, keeps `metrics.jsonl` one
+    record per step in step order, as if the run had never stopped: what a plot of it, a
+    `grep`, `last_record` and the benchmarks that read it (`benchmarks/throughput.py`,
+    `gpu_mfu.py`, `_link_jobs.py`) expect, none of which would know to skip a marker's
+    duplicates. What is lost is only the first attempt's figures for steps whose results the
+    crash lost too; the resumed run recomputes the same losses (bit-for-bit on CPU).
+
+    The file is replaced atomically (a temporary file renamed over it), so a crash here leaves
+    the old file or the new one, never a half-written one.
+    """
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _kept(line, step)]
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def _kept(line: str, step: int) -> bool:
+    """Whether a line of metrics.jsonl stays when a run resumes at `step`."""
+    if not line.endswith("\n"):  # the last line, cut short by a crash
+        return False
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    logged = record.get("step") if isinstance(record, dict) else None
+    return not (isinstance(logged, int) and logged > step)
 
 
 def last_record(out_dir: str | Path, *, step: int | None = None) -> TrainRecord | None:
