@@ -35,7 +35,8 @@ from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.cost.fit import DoesNotFit, device_memory, engine_verdict
 from jaxspeed.data.grain_loader import GrainTokenDataset, make_dataset
 from jaxspeed.train.metrics_log import MetricsLog, TrainRecord, last_record
-from jaxspeed.train.resume import check_config, check_steps
+from jaxspeed.train.resume import (
+    check_config, check_steps, readable_meta, restore_readable, resume_point)
 from jaxspeed.cost.flops import model_train_flops
 from jaxspeed.cost.peaks import mfu, peak_flops
 from jaxspeed.runtime.progress import Progress, phase
@@ -214,16 +215,23 @@ class _Throughput:
         return out
 
 
-def _restore_or_init(engine: Engine, config: Config, ckpt, latest: int | None):
-    """The state to start from: the checkpoint at `latest`, `checkpoint.load_from`'s params at
-    step 0, or a fresh init."""
+def _restore_or_init(engine: Engine, config: Config, ckpt, latest: int | None, *,
+                     by_hand: bool, show: bool):
+    """The state to start from and its checkpoint's record: the checkpoint at `latest` (or,
+    when it cannot be read, the newest older one that can: `restore_readable`),
+    `checkpoint.load_from`'s params at step 0, or a fresh init."""
     if latest is not None:
-        return engine.restore(directory=ckpt.directory, step=latest)
+        def check(step: int, meta) -> None:
+            check_config(config, meta, global_batch=engine.batch_sizes.train_batch_size,
+                         directory=ckpt.directory, step=step, warn=show)
+
+        return restore_readable(ckpt, engine.abstract_state(), step=latest, by_hand=by_hand,
+                                check=check, warn=show)
     if config.checkpoint.load_from is not None:
         from jaxspeed.checkpoint.params import start_from
 
-        return start_from(engine, config.checkpoint.load_from, jax.random.key(config.seed))
-    return engine.init(jax.random.key(config.seed))
+        return start_from(engine, config.checkpoint.load_from, jax.random.key(config.seed)), {}
+    return engine.init(jax.random.key(config.seed)), {}
 
 
 def _finished_record(output_dir, step: int, directory: Path, *, show: bool) -> TrainRecord:
@@ -241,6 +249,7 @@ def train(
     steps: int | None = None,
     progress: bool | None = None,
     force: bool = False,
+    resume_step: int | None = None,
 ) -> TrainRecord:
     """Trains the reference GPT described by `config` up to `steps` total steps.
 
@@ -255,7 +264,12 @@ def train(
     accelerator), a plan whose compiled step does not fit is refused with `DoesNotFit`
     (naming the cheapest change that fits) unless `force`.
 
+    A newest checkpoint that cannot be read is set aside and the run resumes the newest one
+    that can, with a warning line; none readable is a `CheckpointError`.
+
     Args:
+      resume_step: resume this checkpoint instead of the newest (`--resume-step`); the later
+        ones are set aside, and one that cannot be read is an error.
       progress: False shows nothing on stderr; True or None (the default) shows the start-up
         phases and the progress of process 0 (a bar on a terminal, plain lines elsewhere).
 
@@ -271,11 +285,12 @@ def train(
     engine = initialize(config)  # quick (nothing compiles), and where config errors show
     ckpt_dir = Path(config.checkpoint.dir or Path(output_dir) / "checkpoints")
     # a refused plan leaves no checkpoint folder behind: open it here only when it exists
-    latest = engine.checkpointer(ckpt_dir).latest_step() if ckpt_dir.exists() else None
-    saved_meta: dict[str, Any] = {}
-    if latest is not None:
+    latest = resume_point(ckpt_dir, engine.checkpointer, resume_step=resume_step)
+    saved_meta: dict[str, Any] | None = None
+    if latest is not None:  # an unreadable record: the restore below falls back
         ckpt = engine.checkpointer(ckpt_dir)
-        saved_meta = ckpt.read_meta(latest)
+        saved_meta = readable_meta(ckpt, latest) if resume_step is None else ckpt.read_meta(latest)
+    if saved_meta is not None:
         check_config(config, saved_meta, global_batch=engine.batch_sizes.train_batch_size,
                      directory=ckpt.directory, step=latest, warn=is_main)
         if not check_steps(latest, steps, directory=ckpt.directory):
@@ -287,7 +302,8 @@ def train(
         ckpt = engine.checkpointer(ckpt_dir)
         starting = f"restoring step {latest}" if latest is not None else "initializing the state"
         with phase(starting, enabled=show):
-            state = _restore_or_init(engine, config, ckpt, latest)
+            state, saved_meta = _restore_or_init(engine, config, ckpt, latest,
+                                                 by_hand=resume_step is not None, show=is_main)
         start = int(jax.device_get(state.step))
         batches = _train_batches(engine, dataset, start, saved_meta.get("data_state"))
         log = MetricsLog(output_dir, tensorboard=config.logging.tensorboard, enabled=is_main)
