@@ -23,7 +23,8 @@ import orbax.checkpoint as ocp
 from flax import serialization
 
 from jaxspeed.checkpoint import params as params_checkpoint
-from jaxspeed.checkpoint.state import Checkpointer, CheckpointError
+from jaxspeed.checkpoint.state import (
+    Checkpointer, CheckpointError, orphaned_reads_quiet, unreadable)
 from jaxspeed.config import load_config
 from jaxspeed.runtime.mesh import make_mesh
 from jaxspeed.runtime.progress import phase
@@ -149,16 +150,17 @@ def _restore_params(state_dir: Path) -> Any:
     """The `params` subtree of a saved `TrainState`, as numpy arrays (Orbax partial restore)."""
     reader = ocp.PyTreeCheckpointer()
     try:
-        saved = ocp.PyTreeCheckpointHandler().metadata(state_dir).tree["params"]
-        is_leaf = lambda m: hasattr(m, "shape")  # noqa: E731
-        item = {"params": jax.tree.map(lambda m: 0, saved, is_leaf=is_leaf)}
-        args = {"params": jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray),
-                                       saved, is_leaf=is_leaf)}
-        restored = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=args, partial_restore=True))
+        with orphaned_reads_quiet():
+            saved = ocp.PyTreeCheckpointHandler().metadata(state_dir).tree["params"]
+            is_leaf = lambda m: hasattr(m, "shape")  # noqa: E731
+            item = {"params": jax.tree.map(lambda m: 0, saved, is_leaf=is_leaf)}
+            args = {"params": jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray),
+                                           saved, is_leaf=is_leaf)}
+            restored = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=args, partial_restore=True))
     except Exception as err:  # noqa: BLE001 - Orbax/TensorStore raise many kinds on bad files
-        raise CheckpointError(f"cannot read the params of {state_dir.parent}: "
-                              f"{type(err).__name__}: {err}") from err
+        step_dir = state_dir.parent
+        raise unreadable(step_dir.parent, int(step_dir.name), err) from err
     return restored["params"]
 
 

@@ -10,6 +10,11 @@ another in one call, with no conversion step.
 
 from __future__ import annotations
 
+import re
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,84 @@ from jaxspeed.tree_paths import key_names
 
 class CheckpointError(JaxspeedError):
     """A checkpoint is missing, corrupt, or does not fit the model being restored."""
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """A checkpoint step whose files cannot be read (truncated, corrupt, missing).
+
+    Attributes:
+      step: the step that cannot be read.
+    """
+
+    def __init__(self, message: str, *, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+#: TensorStore names the array it read as its key in the OCDBT database: `"params.x/0.1"`.
+_ARRAY_KEY = re.compile(r'Error reading "([^"/]+)/')
+_ARRAY_SPEC = re.compile(r"""['"]path['"]: ?['"]([^'"/]+)/['"]""")
+#: Orbax appends the whole TensorStore spec (a JSON dump) to some messages.
+_SPEC_SUFFIX = re.compile(r"\s*\[tensorstore_spec=.*$", re.DOTALL)
+
+
+@contextmanager
+def orphaned_reads_quiet(settle_s: float = 0.25) -> Iterator[None]:
+    """Drops the "Event loop is closed" tracebacks a failed Orbax read leaves behind.
+
+    When a read fails, Orbax closes its event loop while TensorStore still has reads in
+    flight; each one that finishes later calls the closed loop, and Python prints the
+    RuntimeError through `sys.unraisablehook` beside the real error (dozens of tracebacks for
+    one truncated file). Within this context those are dropped; any other unraisable error
+    still goes to the previous hook. On a failure the hook stays `settle_s` longer: the
+    orphaned reads land after the error has left Orbax (within 3 ms of it, measured on a
+    truncated local checkpoint).
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        closed = unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+        if not closed:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    except BaseException:
+        time.sleep(settle_s)
+        raise
+    finally:
+        sys.unraisablehook = previous
+
+
+def _innermost(err: BaseException) -> BaseException:
+    """The first exception of `err`'s chain: TensorStore's own, under Orbax's wrappers."""
+    seen = {id(err)}
+    while (inner := err.__cause__ or err.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        err = inner
+    return err
+
+
+def unreadable(directory: Path, step: int, err: BaseException) -> UnreadableCheckpoint:
+    """One line for a step Orbax failed to read: the step, the array, TensorStore's reason.
+
+    Orbax wraps TensorStore's error (which names the file and the byte range) in one that
+    prints the array's whole TensorStore spec, about 60 lines; the line keeps the reason.
+    """
+    texts = []
+    cause: BaseException | None = err
+    while cause is not None and len(texts) < 8:
+        texts.append(str(cause))
+        cause = cause.__cause__ or cause.__context__
+    arrays = [m.group(1) for text in texts for m in (_ARRAY_KEY.search(text), _ARRAY_SPEC.search(text)) if m]
+    root = _innermost(err)
+    reason = " ".join(_SPEC_SUFFIX.sub("", str(root)).split())
+    reason = reason if len(reason) <= 400 else reason[:397] + "..."
+    array = f" (array {arrays[0]})" if arrays else ""
+    return UnreadableCheckpoint(
+        f"checkpoint step {step} in {directory} cannot be read{array}: "
+        f"{type(root).__name__}: {reason}", step=step)
 
 
 def _saveable(state):
@@ -63,6 +146,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
+        self._saving: int | None = None  # the step of the newest save started
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True
         )
@@ -85,15 +169,27 @@ class Checkpointer:
     def save(self, state, *, meta: dict[str, Any] | None = None) -> int:
         """Saves `state` at `state.step` (asynchronously when enabled). Returns the step."""
         step = int(jax.device_get(state.step))
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_saveable(state)),
-                meta=ocp.args.JsonSave(meta or {}),
-            ),
-            force=True,
-        )
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(_saveable(state)),
+                    meta=ocp.args.JsonSave(meta or {}),
+                ),
+                force=True,
+            )
+        except OSError as err:  # disk full, read-only, a file where a folder must go
+            raise self._save_failed(step, err) from err
+        self._saving = step
         return step
+
+    def _save_failed(self, step: int, err: OSError) -> CheckpointError:
+        """One line: the step not saved, why, and the newest checkpoint that is intact."""
+        self._manager.reload()  # the failed step's partial folder is not a checkpoint
+        done = [s for s in self.all_steps() if s != step]
+        kept = f"step {done[-1]} is the newest intact one" if done else "no checkpoint was saved before it"
+        why = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+        return CheckpointError(f"cannot save step {step} in {self.directory}: {why} ({kept})")
 
     def restore(self, abstract_state, *, step: int | None = None):
         """Restores into `abstract_state`'s shapes and shardings (any mesh, any ZeRO stage).
@@ -116,19 +212,40 @@ class Checkpointer:
         target = _saveable_abstract(abstract_state)
         self._check_shapes(step, target)
         try:
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
-                ),
-            )
+            with orphaned_reads_quiet():
+                restored = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+                    ),
+                )
         except Exception as err:  # noqa: BLE001 - Orbax/TensorStore raise many kinds on bad files
-            raise CheckpointError(
-                f"cannot restore {self.directory / str(step)}: {type(err).__name__}: {err}"
-            ) from err
+            raise unreadable(self.directory, step, err) from err
         state = restored["state"]
         state = state.replace(rng=jax.random.wrap_key_data(state.rng))
         return state, dict(restored["meta"] or {})
+
+    def set_aside(self, step: int, *, reason: str) -> Path:
+        """Renames step `step`'s folder to `<step>.<reason>` (`.1`, `.2`, ... if taken), where
+        Orbax no longer sees it, so a resumed run can save that step again. Returns the path.
+
+        Only the first process renames; the others wait for it.
+        """
+        self._manager.wait_until_finished()
+        source = self.directory / str(step)
+        target = self.directory / f"{step}.{reason}"
+        n = 0
+        while target.exists():
+            n += 1
+            target = self.directory / f"{step}.{reason}.{n}"
+        if jax.process_index() == 0:
+            source.rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxspeed set aside {source}")
+        self._manager.reload()
+        return target
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record saved beside a step (config, data position)."""
@@ -138,17 +255,16 @@ class Checkpointer:
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         except (ValueError, KeyError, FileNotFoundError, OSError) as err:
-            raise CheckpointError(f"cannot read {self.directory / str(step)}: {err}") from err
+            raise unreadable(self.directory, step, err) from err
         return dict(restored["meta"] or {})
 
     def _check_shapes(self, step: int, target) -> None:
         """Names the leaves whose saved shape differs from the model's (or that are missing)."""
         try:
-            saved_tree = self._manager.item_metadata(step)["state"]
+            with orphaned_reads_quiet():
+                saved_tree = self._manager.item_metadata(step)["state"]
         except Exception as err:  # noqa: BLE001 - any unreadable metadata is a bad checkpoint
-            raise CheckpointError(
-                f"cannot read checkpoint {self.directory / str(step)}: {type(err).__name__}: {err}"
-            ) from err
+            raise unreadable(self.directory, step, err) from err
         if saved_tree is None:
             raise CheckpointError(f"checkpoint {self.directory / str(step)} has no state")
         saved = _saved_shapes(saved_tree)
@@ -166,8 +282,15 @@ class Checkpointer:
             )
 
     def wait(self) -> None:
-        """Blocks until any async save has finished (and is complete on disk)."""
-        self._manager.wait_until_finished()
+        """Blocks until any async save has finished (and is complete on disk).
+
+        Raises:
+          CheckpointError: the background save failed (disk full, ...).
+        """
+        try:
+            self._manager.wait_until_finished()
+        except OSError as err:
+            raise self._save_failed(self._saving, err) from err
 
     def close(self) -> None:
         self._manager.wait_until_finished()

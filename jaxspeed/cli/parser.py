@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--force", action="store_true", help="start even if the plan does not fit device memory"
     )
+    train.add_argument(
+        "--resume-step", type=int, default=None, metavar="N",
+        help="resume the checkpoint of step N (default: the newest that can be read; an "
+        "unreadable newest one is set aside as STEP.corrupt); later ones are set aside as "
+        "STEP.superseded")
 
     plan = sub.add_parser("plan", help="show the sharding plan and per-device memory")
     _common(plan)

@@ -27,6 +27,7 @@ def train_command(args) -> int:
     record = train(
         load_config_args(args), output_dir=args.output, steps=args.steps,
         progress=False if args.no_progress else None, force=args.force,
+        resume_step=args.resume_step,
     )
     import jax
 

@@ -18,14 +18,12 @@ import itertools
 import math
 import signal
 import sys
-import threading
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from jaxspeed.checkpoint.params import with_checkpoint_model
@@ -36,8 +34,9 @@ from jaxspeed.errors import ConfigError, JaxspeedError
 from jaxspeed.cost.fit import DoesNotFit, device_memory, engine_verdict
 from jaxspeed.data.grain_loader import GrainTokenDataset, make_dataset
 from jaxspeed.train.metrics_log import MetricsLog, TrainRecord, last_record
-from jaxspeed.train.resume import check_config, check_steps
-from jaxspeed.train.run_dir import run_folder
+from jaxspeed.train.resume import (
+    check_config, check_steps, readable_meta, restore_readable, resume_point)
+from jaxspeed.train.processes import agreed, shared_run_folder, stop_on_signals
 from jaxspeed.cost.flops import model_train_flops
 from jaxspeed.cost.peaks import mfu, peak_flops
 from jaxspeed.runtime.progress import Progress, phase
@@ -128,56 +127,6 @@ def _no_empty_folder(directory: Path):
             directory.rmdir()
 
 
-@contextmanager
-def _stop_on_signals():
-    """Records SIGTERM/SIGINT instead of dying, so the loop can save first."""
-    received: dict[str, int | None] = {"signum": None}
-    if threading.current_thread() is not threading.main_thread():
-        yield received
-        return
-
-    def handler(signum, frame):
-        received["signum"] = signum
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield received
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-def _agreed(*flags: bool) -> tuple[bool, ...]:
-    """Each flag, True on every process if it is True on any (a signal seen, a save due by the
-    clock), so all of them stop or save at the same step. One all-gather for all the flags."""
-    if jax.process_count() == 1:
-        return flags
-    from jax.experimental import multihost_utils
-
-    seen = multihost_utils.process_allgather(np.array(flags, dtype=bool))
-    return tuple(bool(x) for x in np.asarray(seen).reshape(-1, len(flags)).any(axis=0))
-
-
-@contextmanager
-def _run_folder(output_dir: Path, *, writer: bool):
-    """The run folder, created and locked by the process that writes it (process 0) while the
-    run lasts (`jaxspeed.train.run_dir`). The others wait for its verdict, so every process
-    stops when it is refused."""
-    with ExitStack() as held:
-        failed: JaxspeedError | None = None
-        if writer:
-            try:
-                held.enter_context(run_folder(output_dir))
-            except JaxspeedError as err:
-                failed = err
-        (refused,) = _agreed(failed is not None)
-        if failed is not None:
-            raise failed
-        if refused:
-            raise JaxspeedError(f"process 0 could not take the output folder {output_dir} (its error says why)")
-        yield
-
-
 def _check_finite(config: Config, metrics: dict[str, float], step: int, ckpt) -> None:
     """bf16/fp32: a non-finite loss stops the run before anything non-finite is saved."""
     if config.fp16.enabled:  # fp16 skips such steps through loss scaling instead
@@ -236,16 +185,23 @@ class _Throughput:
         return out
 
 
-def _restore_or_init(engine: Engine, config: Config, ckpt, latest: int | None):
-    """The state to start from: the checkpoint at `latest`, `checkpoint.load_from`'s params at
-    step 0, or a fresh init."""
+def _restore_or_init(engine: Engine, config: Config, ckpt, latest: int | None, *,
+                     by_hand: bool, show: bool):
+    """The state to start from and its checkpoint's record: the checkpoint at `latest` (or,
+    when it cannot be read, the newest older one that can: `restore_readable`),
+    `checkpoint.load_from`'s params at step 0, or a fresh init."""
     if latest is not None:
-        return engine.restore(directory=ckpt.directory, step=latest)
+        def check(step: int, meta) -> None:
+            check_config(config, meta, global_batch=engine.batch_sizes.train_batch_size,
+                         directory=ckpt.directory, step=step, warn=show)
+
+        return restore_readable(ckpt, engine.abstract_state(), step=latest, by_hand=by_hand,
+                                check=check, warn=show)
     if config.checkpoint.load_from is not None:
         from jaxspeed.checkpoint.params import start_from
 
-        return start_from(engine, config.checkpoint.load_from, jax.random.key(config.seed))
-    return engine.init(jax.random.key(config.seed))
+        return start_from(engine, config.checkpoint.load_from, jax.random.key(config.seed)), {}
+    return engine.init(jax.random.key(config.seed)), {}
 
 
 def _finished_record(output_dir, step: int, directory: Path, *, show: bool) -> TrainRecord:
@@ -263,6 +219,7 @@ def train(
     steps: int | None = None,
     progress: bool | None = None,
     force: bool = False,
+    resume_step: int | None = None,
 ) -> TrainRecord:
     """Trains the reference GPT described by `config` up to `steps` total steps.
 
@@ -283,7 +240,12 @@ def train(
     accelerator), a plan whose compiled step does not fit is refused with `DoesNotFit`
     (naming the cheapest change that fits) unless `force`.
 
+    A newest checkpoint that cannot be read is set aside and the run resumes the newest one
+    that can, with a warning line; none readable is a `CheckpointError`.
+
     Args:
+      resume_step: resume this checkpoint instead of the newest (`--resume-step`); the later
+        ones are set aside, and one that cannot be read is an error.
       progress: False shows nothing on stderr; True or None (the default) shows the start-up
         phases and the progress of process 0 (a bar on a terminal, plain lines elsewhere).
 
@@ -295,22 +257,24 @@ def train(
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
     is_main = jax.process_index() == 0
-    with _run_folder(Path(output_dir), writer=is_main):  # before anything starts
+    with shared_run_folder(Path(output_dir), writer=is_main):  # before anything starts
         return _train(config, Path(output_dir), steps, is_main=is_main,
-                      show=progress is not False and is_main, force=force)
+                      show=progress is not False and is_main, force=force,
+                      resume_step=resume_step)
 
 
 def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show: bool,
-           force: bool) -> TrainRecord:
+           force: bool, resume_step: int | None) -> TrainRecord:
     """`train` in its locked run folder."""
     engine = initialize(config)  # quick (nothing compiles), and where config errors show
     ckpt_dir = Path(config.checkpoint.dir or Path(output_dir) / "checkpoints")
     # a refused plan leaves no checkpoint folder behind: open it here only when it exists
-    latest = engine.checkpointer(ckpt_dir).latest_step() if ckpt_dir.exists() else None
-    saved_meta: dict[str, Any] = {}
-    if latest is not None:
+    latest = resume_point(ckpt_dir, engine.checkpointer, resume_step=resume_step)
+    saved_meta: dict[str, Any] | None = None
+    if latest is not None:  # an unreadable record: the restore below falls back
         ckpt = engine.checkpointer(ckpt_dir)
-        saved_meta = ckpt.read_meta(latest)
+        saved_meta = readable_meta(ckpt, latest) if resume_step is None else ckpt.read_meta(latest)
+    if saved_meta is not None:
         check_config(config, saved_meta, global_batch=engine.batch_sizes.train_batch_size,
                      directory=ckpt.directory, step=latest, warn=is_main)
         if not check_steps(latest, steps, directory=ckpt.directory):
@@ -322,7 +286,8 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
         ckpt = engine.checkpointer(ckpt_dir)
         starting = f"restoring step {latest}" if latest is not None else "initializing the state"
         with phase(starting, enabled=show):
-            state = _restore_or_init(engine, config, ckpt, latest)
+            state, saved_meta = _restore_or_init(engine, config, ckpt, latest,
+                                                 by_hand=resume_step is not None, show=is_main)
         start = int(jax.device_get(state.step))
         batches = _train_batches(engine, dataset, start, saved_meta.get("data_state"))
         log = MetricsLog(output_dir, tensorboard=config.logging.tensorboard, enabled=is_main,
@@ -339,7 +304,7 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
         first_time = last_time = time.perf_counter()
         last_step, last_save = start, time.monotonic()
         try:
-            with _stop_on_signals() as stop:
+            with stop_on_signals() as stop:
                 for step in range(start, steps):
                     if bar is None:  # the first step compiles it: rates are timed from its end
                         first_time = time.perf_counter()
@@ -354,7 +319,7 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
                     done = step + 1
                     logging_now = done % every == 0 or done == steps
                     sampling_now = sampler is not None and done % config.logging.sample_every_n_steps == 0
-                    stopping, clock_due = _agreed(
+                    stopping, clock_due = agreed(
                         stop["signum"] is not None,
                         bool(save_seconds) and time.monotonic() - last_save >= save_seconds,
                     )

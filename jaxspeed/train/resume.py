@@ -6,15 +6,19 @@ to train, logging, checkpoint cadence, and where the state lives and how the ste
 (mesh, ZeRO stage, pipeline, remat, attention kernel), since a checkpoint restores onto any
 mesh or ZeRO stage. The global batch may be split otherwise (micro batch × accumulation) as
 long as its size is the same. `checkpoint.resume: force` resumes whenever the shapes fit.
+
+A newest checkpoint that cannot be read (a truncated file) is set aside and the run resumes
+the one before it, with a warning line; `--resume-step N` picks a checkpoint by hand.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from jaxspeed.checkpoint.state import Checkpointer, CheckpointError, UnreadableCheckpoint
 from jaxspeed.config import Config, load_config
 from jaxspeed.errors import ConfigError, JaxspeedError
 
@@ -138,3 +142,96 @@ def check_steps(step: int, steps: int, *, directory: Path) -> bool:
             f"start afresh)"
         )
     return step < steps
+
+
+def resume_point(directory: Path, ckpt_of: Callable[[Path], Checkpointer], *,
+                 resume_step: int | None) -> int | None:
+    """The step a run resumes: `resume_step` (`--resume-step`), else the newest complete one.
+
+    Args:
+      directory: the run's checkpoint directory (it is not created when missing).
+      ckpt_of: opens the `Checkpointer` of `directory`.
+      resume_step: a step picked by hand, or None.
+
+    Raises:
+      CheckpointError: no checkpoint at `resume_step`, naming the steps there are.
+    """
+    if not directory.exists():
+        if resume_step is not None:
+            raise CheckpointError(f"--resume-step {resume_step}: no checkpoints in {directory}")
+        return None
+    ckpt = ckpt_of(directory)
+    if resume_step is None:
+        return ckpt.latest_step()
+    if resume_step not in ckpt.all_steps():
+        raise CheckpointError(f"--resume-step {resume_step}: no checkpoint at that step in "
+                              f"{ckpt.directory}; found steps {ckpt.all_steps()}")
+    return resume_step
+
+
+def readable_meta(ckpt: Checkpointer, step: int) -> dict[str, Any] | None:
+    """The JSON record of `step`, or None when it cannot be read (`restore_readable` then falls
+    back and says so)."""
+    try:
+        return ckpt.read_meta(step)
+    except UnreadableCheckpoint:
+        return None
+
+
+def restore_readable(ckpt: Checkpointer, abstract_state, *, step: int, by_hand: bool,
+                     check: Callable[[int, Mapping[str, Any]], None], warn: bool):
+    """Restores `step`, or, when it cannot be read and was not picked by hand, the newest older
+    checkpoint that can: each unreadable one is set aside as `<step>.corrupt` with a one-line
+    warning. Checkpoints after the restored step are set aside too (`<step>.superseded`, when
+    `--resume-step` picked an older one), so the resumed run can save those steps again.
+
+    Args:
+      ckpt: the run's checkpoints.
+      abstract_state: the engine's abstract `TrainState` (its shardings).
+      step: the step to resume (`resume_point`).
+      by_hand: `step` came from `--resume-step`: no fallback.
+      check: called with each fallback step and its record before it is restored (refuses a
+        checkpoint of another run: `check_config`).
+      warn: print the warnings (the main process only).
+
+    Returns:
+      `(state, meta)` of the restored step.
+
+    Raises:
+      UnreadableCheckpoint: `step` picked by hand cannot be read.
+      CheckpointError: no checkpoint at or before `step` can be read (one line naming them).
+    """
+    candidates = [step] if by_hand else [s for s in reversed(ckpt.all_steps()) if s <= step]
+    bad: list[UnreadableCheckpoint] = []
+    for candidate in candidates:
+        try:
+            if candidate != step:
+                check(candidate, ckpt.read_meta(candidate))
+            state, meta = ckpt.restore(abstract_state, step=candidate)
+        except UnreadableCheckpoint as err:
+            if by_hand:
+                raise
+            bad.append(err)
+            continue
+        _set_aside_later(ckpt, candidate, bad, warn=warn)
+        return state, meta
+    steps = " and ".join(f"step {err.step}" for err in bad)
+    raise CheckpointError(f"no readable checkpoint in {ckpt.directory}: {steps} cannot be read "
+                          f"(use another --output to start afresh); {bad[-1]}")
+
+
+def _set_aside_later(ckpt: Checkpointer, restored: int, bad: list[UnreadableCheckpoint], *,
+                     warn: bool) -> None:
+    """Sets aside the unreadable checkpoints and any after `restored`, one warning line each."""
+    unreadable = {err.step: err for err in bad}
+    for later in [s for s in ckpt.all_steps() if s > restored]:
+        reason = "corrupt" if later in unreadable else "superseded"
+        path = ckpt.set_aside(later, reason=reason)
+        if not warn:
+            continue
+        if later in unreadable:
+            line = f"{unreadable[later]}; set aside as {path}; resuming step {restored}"
+        else:
+            line = (f"resuming step {restored} (--resume-step): the later checkpoint of step "
+                    f"{later} is set aside as {path}")
+        print(f"jaxspeed train: warning: {line}", file=sys.stderr)
