@@ -40,10 +40,26 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: it reports its own unknown arguments, with its own usage.
+
+    argparse hands a subparser's leftovers back to the top-level parser, whose error shows
+    `jaxspeed [-h] {train,plan,...}` instead of the command's flags. Nested subcommands
+    (`tokenizer train`) take this class too (`add_subparsers` defaults to the parent's class),
+    so the innermost command reports.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `jaxspeed` parser: one subparser per command, its name in `args.command`."""
     parser = argparse.ArgumentParser(prog="jaxspeed", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     train = sub.add_parser("train", help="train the reference GPT described by a config")
     _common(train)
