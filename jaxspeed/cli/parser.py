@@ -56,6 +56,14 @@ class _CommandParser(argparse.ArgumentParser):
         return namespace, extras
 
 
+def _text_errors(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--errors", choices=("strict", "replace"), default="strict",
+        help="bytes that are not UTF-8 (a Latin-1 file, binary data): strict (default) stops "
+        "at the first, naming the file, the byte and its offset; replace reads each as U+FFFD",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `jaxspeed` parser: one subparser per command, its name in `args.command`."""
     parser = argparse.ArgumentParser(prog="jaxspeed", description=DESCRIPTION)
@@ -167,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_argument("--text-key", default="text", help="jsonl field / parquet column (default text)")
     tokenize.add_argument("--eos-id", type=int, default=None, help="default: the tokenizer's EOS token")
     tokenize.add_argument("--no-progress", action="store_true", help="no progress output")
+    _text_errors(tokenize)
 
     tokenizer = sub.add_parser("tokenizer", help="tokenizer tools")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
@@ -175,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     bpe.add_argument("--vocab-size", type=int, required=True, metavar="N", help="vocabulary size")
     bpe.add_argument("--out", required=True, metavar="DIR", help="folder for tokenizer.json")
     bpe.add_argument("--text-key", default="text", help="jsonl field / parquet column (default text)")
+    _text_errors(bpe)
 
     sample = sub.add_parser(
         "sample", help="continue a prompt with a trained checkpoint (key/value cache)"
