@@ -1,5 +1,5 @@
-"""Reading text for `jaxspeed tokenize` and `tokenizer train`: bytes that are not UTF-8 are
-one-line errors that write nothing; `--errors replace` reads U+FFFD."""
+"""Reading text for `jaxspeed tokenize` and `tokenizer train`: bytes that are not UTF-8 and
+corpora without text are one-line errors that write nothing; `--errors replace` reads U+FFFD."""
 
 import json
 
@@ -86,3 +86,31 @@ def test_errors_accepts_strict_or_replace(tmp_path):
     (tmp_path / "a.txt").write_text("x")
     with pytest.raises(ConfigError, match=r"errors: got 'ignore'; accepted \['strict', 'replace'\]"):
         list(read_documents(str(tmp_path / "a.txt"), errors="ignore"))
+
+
+@pytest.mark.parametrize("command, what", [("tokenize", "tokenize"), ("tokenizer", "train a tokenizer on")])
+@pytest.mark.parametrize("files", [["empty.txt"], ["empty.txt", "empty.jsonl"]], ids=["txt", "txt+jsonl"])
+def test_a_corpus_without_text_is_refused(tmp_path, capsys, tokenizer, command, what, files):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "empty.txt").write_text("")
+    (corpus / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n\n")
+    paths = [str(corpus / f) for f in files]
+    argv, written = commands(paths, tokenizer, tmp_path)[command]
+    code, out, err = run(capsys, argv)
+    assert code == 2 and out == ""
+    assert err == f"jaxspeed {command}: error: files: no text in {', '.join(paths)}: nothing to {what}\n"
+    assert not written.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+def test_some_text_among_empty_documents_is_tokenized(tmp_path, capsys, tokenizer):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "a.txt").write_text("fox")
+    argv, written = commands([str(tmp_path / "empty.txt"), str(tmp_path / "a.txt")], tokenizer,
+                             tmp_path)["tokenize"]
+    code, out, err = run(capsys, argv)
+    assert code == 0, err
+    eos = load_tokenizer(tokenizer).token_to_id("<|endoftext|>")
+    tokens = np.load(written)
+    assert tokens[0] == eos and tokens[-1] == eos and len(tokens) > 2  # one EOS per document

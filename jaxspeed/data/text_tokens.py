@@ -7,7 +7,8 @@ batch on all cores) and each is followed by the EOS token.
 
 Text files are read as UTF-8: a byte that is not UTF-8 stops the reading with a
 `NotUtf8Error` naming the file, the byte and its offset, unless `errors="replace"` reads it as
-U+FFFD.
+U+FFFD. A corpus without a single character is refused rather than turned into EOS tokens
+or a vocabulary of bytes alone.
 """
 
 from __future__ import annotations
@@ -164,8 +165,13 @@ def read_documents(path: str, *, text_key: str = "text", errors: str = "strict")
         raise ConfigError(f"{path!r}: unsupported suffix; accepted {list(TEXT_SUFFIXES)}")
 
 
+def _no_text(files: Sequence[str], what: str) -> JaxspeedError:
+    named = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    return JaxspeedError(f"files: no text in {named}: nothing to {what}")
+
+
 def _batches(files: Sequence[str], text_key: str, bar, errors: str) -> Iterator[list[str]]:
-    batch, size = [], 0
+    batch, size, total = [], 0, 0
     for path in files:
         for text in read_documents(path, text_key=text_key, errors=errors):
             batch.append(text)
@@ -173,7 +179,10 @@ def _batches(files: Sequence[str], text_key: str, bar, errors: str) -> Iterator[
             if size >= _BATCH_CHARS:
                 yield batch
                 bar.update(size)
+                total += size
                 batch, size = [], 0
+    if total + size == 0:  # else an empty corpus becomes one EOS token per empty document
+        raise _no_text(files, "tokenize")
     if batch:
         yield batch
         bar.update(size)
@@ -190,6 +199,7 @@ def encode_files(
 
     Raises:
       NotUtf8Error: see `read_documents`.
+      JaxspeedError: when the files hold no text at all.
     """
     with Progress(None, desc="tokenize", unit="char", unit_scale=True, enabled=progress) as bar:
         for texts in _batches(files, text_key, bar, errors):
@@ -213,6 +223,7 @@ def tokenize_files(
 
     Raises:
       NotUtf8Error: with `errors="strict"`, naming the first such byte; `out` is not written.
+      JaxspeedError: when the files hold no text; `out` is not written.
     """
     _check_errors(errors)
     files = expand_files(files, suffixes=TEXT_SUFFIXES, key="files")
@@ -265,6 +276,7 @@ def train_bpe(files: Sequence[str], *, vocab_size: int, out_dir: str, text_key: 
 
     Raises:
       NotUtf8Error: with `errors="strict"`, naming the first such byte.
+      JaxspeedError: when the files hold no text (nothing is written).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -279,8 +291,18 @@ def train_bpe(files: Sequence[str], *, vocab_size: int, out_dir: str, text_key: 
         vocab_size=vocab_size, special_tokens=[eos_token], show_progress=progress,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    texts = (t for path in files for t in read_documents(path, text_key=text_key, errors=errors))
-    tokenizer.train_from_iterator(texts, trainer)
+    chars = 0
+
+    def texts() -> Iterator[str]:
+        nonlocal chars
+        for path in files:
+            for text in read_documents(path, text_key=text_key, errors=errors):
+                chars += len(text)
+                yield text
+
+    tokenizer.train_from_iterator(texts(), trainer)
+    if chars == 0:  # else the vocabulary is the 256 bytes and EOS, merging nothing
+        raise _no_text(files, "train a tokenizer on")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "tokenizer.json")
     tokenizer.save(path)
