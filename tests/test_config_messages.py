@@ -10,6 +10,7 @@ from jaxspeed.checkpoint.params import FORMAT, RECORD, check_model, with_checkpo
 from jaxspeed.cli import main
 from jaxspeed.cli.parser import build_parser, load_config_args
 from jaxspeed.config import DefaultSectionsWarning, load_config
+from jaxspeed.errors import ConfigError
 
 TINY = {
     "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "max_seq_len": 32},
@@ -66,6 +67,27 @@ def test_missing_load_from_says_it_does_not_exist(tmp_path, capsys):
     err = cli_error(capsys, ["plan", config, "--set", f"checkpoint.load_from={missing}"])
     assert f"checkpoint.load_from={missing} does not exist" in err
     assert "not a params checkpoint" not in err
+
+
+@pytest.mark.parametrize(
+    "text, where",
+    [("model:\n  d_model: [32, 64\nsteps: 3\n",
+      "at line 3, column 6: expected ',' or ']', but got ':' (while parsing a flow sequence at "
+      "line 2, column 12)"),
+     ("steps: 3\nmodel: d_model: 32\n", "at line 2, column 15: mapping values are not allowed here"),
+     ("model:\n\td_model: 32\n", "at line 2, column 1: found character '\\t' that cannot start any token"),
+     ("steps: 3\nname: \"tiny\n", "at line 3, column 1: found unexpected end of stream (while "
+      "scanning a quoted scalar at line 2, column 7)")],
+    ids=["flow", "mapping", "tab", "quote"],
+)
+def test_a_yaml_syntax_error_is_one_line_with_its_line_and_column(tmp_path, capsys, text, where):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path))
+    assert str(error.value) == f"cannot parse config file {path} {where}"
+    err = cli_error(capsys, ["plan", str(path)])
+    assert err == f"jaxspeed plan: error: cannot parse config file {path} {where}\n"
 
 
 def params_checkpoint(tmp_path, model=SAVED):

@@ -77,7 +77,8 @@ def _run(args) -> int:
             from jaxspeed.runtime import distributed
 
             if getattr(args, "distributed", False) or distributed.launched():
-                distributed.initialize()  # before any JAX computation
+                # before any JAX computation; --distributed asks for a cluster: none is an error
+                distributed.initialize(require_cluster=True)
         handlers = {
             "train": run.train_command, "plan": plan.plan_command, "bench": run.bench_command,
             "launch": run.launch_command, "export": checkpoints.export_command,

@@ -40,10 +40,34 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: it reports its own unknown arguments, with its own usage.
+
+    argparse hands a subparser's leftovers back to the top-level parser, whose error shows
+    `jaxspeed [-h] {train,plan,...}` instead of the command's flags. Nested subcommands
+    (`tokenizer train`) take this class too (`add_subparsers` defaults to the parent's class),
+    so the innermost command reports.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
+def _text_errors(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--errors", choices=("strict", "replace"), default="strict",
+        help="bytes that are not UTF-8 (a Latin-1 file, binary data): strict (default) stops "
+        "at the first, naming the file, the byte and its offset; replace reads each as U+FFFD",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `jaxspeed` parser: one subparser per command, its name in `args.command`."""
     parser = argparse.ArgumentParser(prog="jaxspeed", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     train = sub.add_parser("train", help="train the reference GPT described by a config")
     _common(train)
@@ -156,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_argument("--text-key", default="text", help="jsonl field / parquet column (default text)")
     tokenize.add_argument("--eos-id", type=int, default=None, help="default: the tokenizer's EOS token")
     tokenize.add_argument("--no-progress", action="store_true", help="no progress output")
+    _text_errors(tokenize)
 
     tokenizer = sub.add_parser("tokenizer", help="tokenizer tools")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
@@ -164,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     bpe.add_argument("--vocab-size", type=int, required=True, metavar="N", help="vocabulary size")
     bpe.add_argument("--out", required=True, metavar="DIR", help="folder for tokenizer.json")
     bpe.add_argument("--text-key", default="text", help="jsonl field / parquet column (default text)")
+    _text_errors(bpe)
 
     sample = sub.add_parser(
         "sample", help="continue a prompt with a trained checkpoint (key/value cache)"

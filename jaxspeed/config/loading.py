@@ -219,8 +219,10 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
     try:
         raw = json.loads(text) if suffix == ".json" else _parse_yaml(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
+    except json.JSONDecodeError as err:
         raise ConfigError(f"cannot parse config file {path}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"cannot parse config file {path}{_yaml_problem(err)}") from None
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
@@ -228,6 +230,23 @@ def _read_file(path: Path) -> dict[str, Any]:
             f"config file {path} must hold a mapping of keys to values, got {type(raw).__name__}"
         )
     return dict(raw)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's error as one line: `" at line L, column C: PROBLEM (CONTEXT at line L', column C')"`.
+
+    PyYAML's own message spans several lines, quoting the text with a caret under each mark;
+    its marks count from 0, an editor's from 1.
+    """
+    mark = getattr(err, "problem_mark", None)
+    if mark is None:
+        return ": " + " ".join(str(err).split())
+    problem = " ".join(str(getattr(err, "problem", None) or "syntax error").split())
+    line = f" at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and context_mark is not None and (context_mark.line, context_mark.column) != (mark.line, mark.column):
+        line += f" ({' '.join(context.split())} at line {context_mark.line + 1}, column {context_mark.column + 1})"
+    return line
 
 
 def _renamed_override(text: str) -> str:

@@ -120,13 +120,17 @@ def write_token_file(path: str, chunks, *, dtype: np.dtype) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     raw = f"{path}.{os.getpid()}.partial"
     total = 0
-    with open(raw, "wb") as f:
-        for chunk in chunks:
-            chunk = np.asarray(chunk)
-            if chunk.size and int(chunk.max()) > np.iinfo(dtype).max:
-                raise JaxspeedError(f"token id {int(chunk.max())} does not fit {np.dtype(dtype).name}")
-            f.write(chunk.astype(dtype).tobytes())
-            total += chunk.size
+    try:
+        with open(raw, "wb") as f:
+            for chunk in chunks:  # the reader's errors (bad text, no text) arrive here too
+                chunk = np.asarray(chunk)
+                if chunk.size and int(chunk.max()) > np.iinfo(dtype).max:
+                    raise JaxspeedError(f"token id {int(chunk.max())} does not fit {np.dtype(dtype).name}")
+                f.write(chunk.astype(dtype).tobytes())
+                total += chunk.size
+    except BaseException:
+        os.remove(raw)
+        raise
     if path.endswith(".npy"):
         final = f"{path}.{os.getpid()}.npy.partial"
         out = np.lib.format.open_memmap(final, mode="w+", dtype=dtype, shape=(total,))

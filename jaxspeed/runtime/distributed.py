@@ -5,12 +5,15 @@ Both must run before JAX creates its backend (the first `jax.devices()` call).
 `jaxspeed launch` (see `jaxspeed.runtime.launch`) tells each process where it stands through
 environment variables; `initialize()` reads them, and without them lets
 `jax.distributed.initialize` auto-detect the cluster (SLURM, Open MPI, Kubernetes, TPU pods).
+Where there is neither, the process runs alone, so a script that calls `initialize()` runs
+unchanged on one machine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -25,6 +28,11 @@ ENV_PROCESS_ID = "JAXSPEED_PROCESS_ID"
 ENV_CPU_DEVICES = "JAXSPEED_CPU_DEVICES"  # emulated CPU devices per process (informational)
 ENV_INIT_TIMEOUT = "JAXSPEED_INIT_TIMEOUT"  # seconds for the start-up barrier
 DEFAULT_INIT_TIMEOUT = 300  # jax.distributed's own default, for clusters
+#: what `jax.distributed.initialize` raises (ValueError) when it is given no coordinator and
+#: detects no cluster; the same words in jax 0.3 to 0.12 (tests/test_distributed.py checks them)
+_NO_CLUSTER = "coordinator_address should be defined"
+
+logger = logging.getLogger(__name__)
 
 
 def set_cpu_devices(count: int) -> None:
@@ -66,13 +74,16 @@ def initialize(
     local_device_ids=None,
     cpu_collectives: str = "gloo",
     initialization_timeout: int | None = None,
-) -> None:
+    require_cluster: bool = False,
+) -> bool:
     """Starts JAX's distributed runtime; a thin wrapper over `jax.distributed.initialize`.
 
     Arguments left as None are read from the `JAXSPEED_*` variables that `jaxspeed launch`
     sets (`JAXSPEED_COORDINATOR`, `JAXSPEED_NUM_PROCESSES`, `JAXSPEED_PROCESS_ID`,
     `JAXSPEED_INIT_TIMEOUT`); where those are absent too, JAX auto-detects the cluster
-    (SLURM, Open MPI, Kubernetes, TPU pods). On CPU, cross-process collectives use
+    (SLURM, Open MPI, Kubernetes, TPU pods). Where it finds none either, there is nothing to
+    join: the process runs alone, as it would without this call (one process, its own
+    devices), and this returns False. On CPU, cross-process collectives use
     `cpu_collectives` (gloo), which JAX needs to be told before the backend starts. Call this
     before any JAX computation.
 
@@ -84,6 +95,11 @@ def initialize(
       cpu_collectives: `jax_cpu_collectives_implementation` for CPU runs.
       initialization_timeout: seconds to wait for every process at start-up (default:
         `JAXSPEED_INIT_TIMEOUT`, else 300).
+      require_cluster: with nothing to join, raise instead of running alone (`jaxspeed train
+        --distributed`, which asks for a cluster).
+
+    Returns:
+      whether JAX's distributed runtime started (False: one process, nothing to join).
 
     Before JAX's own start-up, the processes meet at `jaxspeed.runtime.rendezvous` (the
     coordinator's port + 1), which says every few seconds who is still waiting, and where.
@@ -115,6 +131,10 @@ def initialize(
             initialization_timeout=initialization_timeout,
         )
     except (RuntimeError, ValueError) as err:
+        detected = coordinator_address is None and num_processes is None and process_id is None
+        if detected and not require_cluster and isinstance(err, ValueError) and _NO_CLUSTER in str(err):
+            logger.info("no cluster to join (no JAXSPEED_* variables, none detected): one process")
+            return False
         where = (
             f"coordinator {address}, process {rank} of {count}"
             if address
@@ -125,6 +145,7 @@ def initialize(
             f"jax.distributed.initialize failed ({where}, timeout {initialization_timeout} s): "
             f"{first}"
         ) from err
+    return True
 
 
 def _detected(address, count, rank, timeout):
