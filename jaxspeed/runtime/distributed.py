@@ -87,6 +87,9 @@ def initialize(
     `cpu_collectives` (gloo), which JAX needs to be told before the backend starts. Call this
     before any JAX computation.
 
+    Before JAX's own start-up, the processes meet at `jaxspeed.runtime.rendezvous` (the
+    coordinator's port + 1), which says every few seconds who is still waiting, and where.
+
     Args:
       coordinator_address: "host:port" of process 0.
       num_processes: total number of processes.
@@ -100,9 +103,6 @@ def initialize(
 
     Returns:
       whether JAX's distributed runtime started (False: one process, nothing to join).
-
-    Before JAX's own start-up, the processes meet at `jaxspeed.runtime.rendezvous` (the
-    coordinator's port + 1), which says every few seconds who is still waiting, and where.
 
     Raises:
       JaxspeedError: when the runtime does not start: process 0 names the ranks that did not
@@ -132,7 +132,8 @@ def initialize(
         )
     except (RuntimeError, ValueError) as err:
         detected = coordinator_address is None and num_processes is None and process_id is None
-        if detected and not require_cluster and isinstance(err, ValueError) and _NO_CLUSTER in str(err):
+        alone = isinstance(err, ValueError) and _NO_CLUSTER in str(err)
+        if detected and alone and not require_cluster:
             logger.info("no cluster to join (no JAXSPEED_* variables, none detected): one process")
             return False
         where = (
