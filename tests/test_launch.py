@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,11 +70,11 @@ def test_two_processes_match_one_process(tmp_path, env):
         single.kill()
     assert single.returncode == 0, err
     assert multi.returncode == 0, multi.stderr
-    finals = dict(  # each rank prints the last record as JSON
+    finals = dict(  # rank 0 alone prints the last record as JSON
         line.split(" ", 2)[1:] for line in multi.stdout.splitlines()
         if line.startswith("[rank ") and line.endswith("}")
     )
-    assert set(finals) == {"0]", "1]"}
+    assert set(finals) == {"0]"}
     assert all(json.loads(r)["step"] == 3 for r in finals.values())
     a, b = losses(tmp_path / "A"), losses(tmp_path / "B")
     assert len(a) == len(b) == 3
@@ -163,7 +164,9 @@ def test_start_up_barrier_times_out(tmp_path, env):
     assert time.monotonic() - start < 60
     message = err.getvalue()
     assert "jaxspeed launch: rank 0 " in message and "stopping the other ranks [1]" in message
-    assert "start-up barrier timed out" in message
+    # process 0 names the rank that never came (jaxspeed.runtime.rendezvous)
+    assert re.search(r"ranks that never came to the coordinator at 127\.0\.0\.1:\d+ within 3 s: "
+                     r"1 \(of 2 processes\)", message), message
 
 
 def test_overall_timeout_kills_everything(tmp_path, env):
