@@ -27,6 +27,10 @@ ENV_NUM_PROCESSES = "JAXSPEED_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXSPEED_PROCESS_ID"
 ENV_CPU_DEVICES = "JAXSPEED_CPU_DEVICES"  # emulated CPU devices per process (informational)
 ENV_INIT_TIMEOUT = "JAXSPEED_INIT_TIMEOUT"  # seconds for the start-up barrier
+#: seconds without a heartbeat after which a process counts as dead (hung: SIGSTOP, a lost
+#: node), and the others stop
+ENV_HEARTBEAT_TIMEOUT = "JAXSPEED_HEARTBEAT_TIMEOUT"
+DEFAULT_HEARTBEAT_TIMEOUT = 300
 DEFAULT_INIT_TIMEOUT = 300  # jax.distributed's own default, for clusters
 #: what `jax.distributed.initialize` raises (ValueError) when it is given no coordinator and
 #: detects no cluster; the same words in jax 0.3 to 0.12 (tests/test_distributed.py checks them)
@@ -97,7 +101,9 @@ def initialize(
       local_device_ids: devices this process drives (default: all visible).
       cpu_collectives: `jax_cpu_collectives_implementation` for CPU runs.
       initialization_timeout: seconds to wait for every process at start-up (default:
-        `JAXSPEED_INIT_TIMEOUT`, else 300).
+        `JAXSPEED_INIT_TIMEOUT`, else 300). After start-up, a process that sends no heartbeat
+        for `JAXSPEED_HEARTBEAT_TIMEOUT` seconds (default 300: hung, stopped, its node lost)
+        counts as dead, and JAX stops the others.
       require_cluster: with nothing to join, raise instead of running alone (`jaxspeed train
         --distributed`, which asks for a cluster).
 
@@ -129,6 +135,8 @@ def initialize(
             process_id=process_id,
             local_device_ids=local_device_ids,
             initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=(_env_int(env, ENV_HEARTBEAT_TIMEOUT)
+                                       or DEFAULT_HEARTBEAT_TIMEOUT),
         )
     except (RuntimeError, ValueError) as err:
         detected = coordinator_address is None and num_processes is None and process_id is None
