@@ -12,9 +12,9 @@ from jaxspeed.runtime import rendezvous as rv
 
 
 def free_address() -> str:
-    with socket.socket() as s:  # a free port whose + 1 is very likely free too
+    with socket.socket() as s:  # a free port for the barrier
         s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1] - 1}"
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def run_ranks(address, count, ranks, timeout, monkeypatch):
@@ -67,4 +67,18 @@ def test_one_process_needs_no_barrier():
 @pytest.mark.parametrize("address", ["nohost", "host:port", ":123"])
 def test_a_bad_address_is_one_line(address):
     with pytest.raises(JaxspeedError, match="is not host:port"):
-        rv.port_for(address)
+        rv.port_after(address)
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("n[1-2]", "n1"), ("node[001,007-015],gpu2", "node001"), ("a,b", "a"), ("solo", "solo")])
+def test_the_first_host_of_a_slurm_node_list(nodelist, first):
+    assert rv.first_host(nodelist) == first
+
+
+def test_where_the_barrier_listens():
+    assert rv.barrier_address("h:7000", 2, 1, {}) == ("h:7001", 2, 1)  # jaxspeed launch
+    slurm = {"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_JOB_ID": "4097", "SLURM_NTASKS": "2",
+             "SLURM_PROCID": "1"}
+    assert rv.barrier_address(None, None, None, slurm) == (f"n1:{57344 + 1}", 2, 1)
+    assert rv.barrier_address(None, None, None, {}) is None  # nothing says: JAX's own start-up

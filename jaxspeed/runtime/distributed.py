@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import jax
 
 from jaxspeed.errors import ConfigError, JaxspeedError
-from jaxspeed.runtime.rendezvous import rendezvous
+from jaxspeed.runtime.rendezvous import barrier_address, rendezvous
 
 ENV_COORDINATOR = "JAXSPEED_COORDINATOR"  # "host:port" of process 0's coordination service
 ENV_NUM_PROCESSES = "JAXSPEED_NUM_PROCESSES"
@@ -91,8 +91,9 @@ def initialize(
     `cpu_collectives` (gloo), which JAX needs to be told before the backend starts. Call this
     before any JAX computation.
 
-    Before JAX's own start-up, the processes meet at `jaxspeed.runtime.rendezvous` (the
-    coordinator's port + 1), which says every few seconds who is still waiting, and where.
+    Before JAX's own start-up, the processes meet at `jaxspeed.runtime.rendezvous` (with
+    `jaxspeed launch`'s variables or under SLURM), which says every few seconds who is still
+    waiting, and where.
 
     Args:
       coordinator_address: "host:port" of process 0.
@@ -124,10 +125,9 @@ def initialize(
     if initialization_timeout is None:
         initialization_timeout = _env_int(env, ENV_INIT_TIMEOUT) or DEFAULT_INIT_TIMEOUT
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    address, count, rank = _detected(coordinator_address, num_processes, process_id,
-                                     initialization_timeout)
-    if address and count and rank is not None:
-        rendezvous(address, count, rank, initialization_timeout)
+    barrier = barrier_address(coordinator_address, num_processes, process_id, env)
+    if barrier is not None:
+        rendezvous(*barrier, initialization_timeout)
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator_address,
@@ -145,8 +145,8 @@ def initialize(
             logger.info("no cluster to join (no JAXSPEED_* variables, none detected): one process")
             return False
         where = (
-            f"coordinator {address}, process {rank} of {count}"
-            if address
+            f"coordinator {coordinator_address}, process {process_id} of {num_processes}"
+            if coordinator_address
             else "cluster auto-detection"
         )
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -155,22 +155,6 @@ def initialize(
             f"{first}"
         ) from err
     return True
-
-
-def _detected(address, count, rank, timeout):
-    """`(coordinator address, process count, rank)` as `jax.distributed.initialize` will take
-    them: the given ones, the rest from the cluster JAX detects (SLURM, Open MPI, ...); None
-    where neither says."""
-    if address is not None and count is not None and rank is not None:
-        return address, count, rank
-    try:
-        from jax._src.clusters import ClusterEnv
-
-        address, count, rank, _ = ClusterEnv.auto_detect_unset_distributed_params(
-            address, count, rank, None, None, timeout)
-    except Exception:  # noqa: BLE001 - no barrier then; initialize reports the real error
-        pass
-    return address, count, rank
 
 
 #: device → the process it stands for, inside `emulated_processes`

@@ -2,16 +2,22 @@
 
 JAX's own barrier (its coordination service's task registration) aborts the process when its
 timeout runs out, with a C++ stack trace and no word of which processes never came, and it
-says nothing while it waits. This one runs first, on the coordinator's host at the
-coordinator's port + 1: process 0 listens, every other process connects and says its rank.
-Each prints a line every `REPORT_SECONDS` while it waits, naming the address (and, on process
-0, the ranks still missing); when the timeout runs out, process 0 names the ranks that never
-came and every process stops with one line. Once all have come, process 0 tells them to go on,
-and `jax.distributed.initialize` then finds everyone there.
+says nothing while it waits. This one runs first, on process 0's host: process 0 listens,
+every other process connects and says its rank. Each prints a line every `REPORT_SECONDS`
+while it waits, naming the address (and, on process 0, the ranks still missing); when the
+timeout runs out, process 0 names the ranks that never came and every process stops with one
+line. Once all have come, process 0 tells them to go on, and `jax.distributed.initialize`
+then finds everyone there.
+
+Where it listens (`barrier_address`): with `jaxspeed launch`'s variables, the coordinator's
+port + 1; under SLURM, the step's first node at a port from the job id (SLURM's own
+variables: the same on every task, and outside the range JAX's SLURM detection takes its
+coordinator port from). Elsewhere there is no barrier, and JAX's own start-up applies.
 """
 
 from __future__ import annotations
 
+import re
 import selectors
 import socket
 import sys
@@ -24,21 +30,50 @@ REPORT_SECONDS = 5
 _GO = b"go\n"
 
 
-def port_for(address: str) -> tuple[str, int]:
-    """`(host, port)` of the barrier for the coordinator `host:port` (its port + 1, or - 1 at
-    the top of the range)."""
+#: Under SLURM: the barrier's port is `_SLURM_PORTS + job id % 4096`, below the ports JAX's
+#: SLURM detection uses for its coordinator (61440 + job id % 4096).
+_SLURM_PORTS = 57344
+
+
+def port_after(address: str) -> str:
+    """The barrier's `host:port` for the coordinator `host:port`: its port + 1 (- 1 at the top
+    of the range)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise JaxspeedError(f"coordinator address {address!r} is not host:port")
     port = int(port)
-    return host, port + 1 if port < 65535 else port - 1
+    return f"{host}:{port + 1 if port < 65535 else port - 1}"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: `n[1-2]` -> `n1`, `node[001,007-015],gpu2` ->
+    `node001`, `a,b` -> `a`."""
+    prefix, _, rest = nodelist.partition("[")
+    if "," in prefix or not rest:
+        return prefix.split(",")[0]
+    return prefix + re.split(r"[,\-\]]", rest)[0]
+
+
+def barrier_address(coordinator: str | None, count: int | None, rank: int | None,
+                    environ) -> tuple[str, int, int] | None:
+    """`(host:port, process count, rank)` of the start-up barrier: from the coordinator and
+    the count and rank given (`jaxspeed launch`'s variables), else from SLURM's variables;
+    None where neither says (then JAX's own start-up applies)."""
+    if coordinator and count is not None and rank is not None:
+        return port_after(coordinator), count, rank
+    try:
+        host = first_host(environ["SLURM_STEP_NODELIST"])
+        port = _SLURM_PORTS + int(environ["SLURM_JOB_ID"]) % 4096
+        return f"{host}:{port}", int(environ["SLURM_NTASKS"]), int(environ["SLURM_PROCID"])
+    except (KeyError, ValueError):
+        return None
 
 
 def rendezvous(address: str, count: int, rank: int, timeout: float, *, out=None) -> None:
     """Waits until all `count` processes have come, or raises after `timeout` seconds.
 
     Args:
-      address: the coordinator's `host:port` (process 0's host).
+      address: the barrier's `host:port` on process 0's host (`barrier_address`).
       count: the number of processes.
       rank: this process's rank; 0 is the coordinator.
       timeout: seconds to wait.
@@ -75,7 +110,7 @@ class _Reporter:
 
 
 def _gather(address: str, count: int, timeout: float, out) -> None:
-    _, port = port_for(address)
+    port = int(address.rpartition(":")[2])
     try:
         server = socket.create_server(("", port), reuse_port=False)
     except OSError as err:
@@ -119,7 +154,7 @@ def _gather(address: str, count: int, timeout: float, out) -> None:
 
 
 def _join(address: str, count: int, rank: int, timeout: float, out) -> None:
-    host, port = port_for(address)
+    host, _, port = address.rpartition(":")
     report = _Reporter(out, timeout)
     while True:
         if report.elapsed() > timeout:
