@@ -20,3 +20,9 @@ def did_you_mean(word: str, choices: Sequence[str]) -> str:
     """`" (did you mean 'x'?)"` for the closest of `choices`, or `""` when none is close."""
     close = difflib.get_close_matches(str(word), list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+#: The exit code of a run stopped by SIGTERM after it saved a checkpoint (preempted, or out of
+#: time): EX_TEMPFAIL of sysexits.h, "try again". `examples/slurm/train.sbatch` requeues the job
+#: on it, and the requeued run resumes the checkpoint.
+REQUEUE_EXIT_CODE = 75

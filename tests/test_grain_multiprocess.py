@@ -59,6 +59,10 @@ def test_resume_on_two_processes_continues_a_one_process_run(tmp_path, monkeypat
     assert resumed.returncode == 0, resumed.stderr
     a, b = _records(tmp_path / "whole"), _records(tmp_path / "split")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    # the same samples in the same order, across the resume onto two processes
+    assert [b[s]["sample_digest"] for s in a] == [a[s]["sample_digest"] for s in a]
+    assert ("elastic resume of step 2: 1 processes, 8 devices -> 2 processes, 8 devices; "
+            "global batch 8 kept") in resumed.stderr
     # Steps 3-4 ran on two processes: the all-reduces cross processes (gloo) and sum in
     # another order (tests/numerics.py); a batch read from the wrong rows would differ by far more.
     rho = gpt_rtol(tokens=8 * 16, d_model=32, d_ff=64, n_layers=2, vocab=512)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxspeed.cli import main
+from jaxspeed.errors import REQUEUE_EXIT_CODE
 from jaxspeed.runtime.launch import child_env, last_error_line, launch
 from numerics import gpt_rtol
 
@@ -47,6 +48,11 @@ def script(tmp_path, name, body):
 def losses(run_dir):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["loss"] for line in lines]
+
+
+def digests(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["sample_digest"] for line in lines]
 
 
 def test_two_processes_match_one_process(tmp_path, env):
@@ -82,6 +88,7 @@ def test_two_processes_match_one_process(tmp_path, env):
     # implementation, which sums in another order (tests/numerics.py; 8 x 32 tokens a step).
     rho = gpt_rtol(tokens=8 * 32, d_model=32, d_ff=64, n_layers=2, vocab=256)
     np.testing.assert_allclose(a, b, rtol=rho)
+    assert digests(tmp_path / "A") == digests(tmp_path / "B")  # each process its own rows
 
 
 def test_dying_rank_stops_the_others(tmp_path, env, capsys):
@@ -201,7 +208,11 @@ def test_children_get_rank_env_and_prefixed_output(tmp_path, env):
     assert sorted(err.getvalue().splitlines()) == [f"[rank {r}] to stderr" for r in range(3)]
 
 
-def test_signal_is_forwarded_to_children(tmp_path, env):
+@pytest.mark.parametrize("child_exit, launcher_exit", [
+    (0, 128 + signal.SIGTERM),
+    (REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE),  # every rank saved its checkpoint: requeue
+])
+def test_signal_is_forwarded_to_children(tmp_path, env, child_exit, launcher_exit):
     marks = tmp_path / "marks"
     marks.mkdir()
     child = script(tmp_path, "trap.py", f"""
@@ -209,7 +220,7 @@ def test_signal_is_forwarded_to_children(tmp_path, env):
         rank = os.environ["JAXSPEED_PROCESS_ID"]
         def stop(signum, frame):
             open(os.path.join({str(marks)!r}, "term-" + rank), "w").close()
-            sys.exit(0)
+            sys.exit({child_exit})
         signal.signal(signal.SIGTERM, stop)
         open(os.path.join({str(marks)!r}, "ready-" + rank), "w").close()
         time.sleep(600)
@@ -223,7 +234,7 @@ def test_signal_is_forwarded_to_children(tmp_path, env):
         time.sleep(0.1)
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=30)
-    assert launcher.returncode == 128 + signal.SIGTERM
+    assert launcher.returncode == launcher_exit
     assert "got SIGTERM; forwarding it to every rank" in err
     assert sorted(p.name for p in marks.glob("term-*")) == ["term-0", "term-1"]
 

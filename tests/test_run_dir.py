@@ -77,6 +77,36 @@ def test_another_hosts_lock_is_refused_and_says_how_to_remove_it(tmp_path, dead_
     assert lock.exists()
 
 
+def write_slurm_lock(folder: Path, *, job: str, restart: int, pid: int) -> Path:
+    lock = write_lock(folder, pid=pid, host="node-that-was-lost")
+    lock.write_text(json.dumps({**json.loads(lock.read_text()), "slurm_job": job,
+                                "slurm_restart": restart}))
+    return lock
+
+
+def test_a_requeued_slurm_job_takes_its_earlier_runs_lock_from_another_host(
+        tmp_path, live_pid, monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock = write_slurm_lock(tmp_path, job="4242", restart=0, pid=live_pid)
+    assert acquire_lock(tmp_path) == lock
+    taken = json.loads(lock.read_text())
+    assert (taken["pid"], taken["slurm_job"], taken["slurm_restart"]) == (os.getpid(), "4242", 1)
+    err = capsys.readouterr().err
+    assert "warning" in err and "this SLURM job's run before its requeue" in err
+
+
+@pytest.mark.parametrize("job, restart", [("4242", 1), ("4243", 0)])
+def test_a_slurm_lock_of_another_job_or_the_same_run_is_refused(
+        tmp_path, live_pid, monkeypatch, job, restart):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock = write_slurm_lock(tmp_path, job=job, restart=restart, pid=live_pid)
+    with pytest.raises(RunFolderBusy, match=f"another host .*SLURM job {job}"):
+        acquire_lock(tmp_path)
+    assert json.loads(lock.read_text())["slurm_job"] == job
+
+
 def test_the_lock_is_released_on_an_exception(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(RuntimeError, match="boom"):

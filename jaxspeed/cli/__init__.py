@@ -8,7 +8,7 @@ read, so `--cpu-devices` can still set the number of emulated CPU devices. Error
 input are printed as one line, with exit code 2; warnings as one line each
 (`warning_lines.py`), and so are the library's INFO log lines (logger `jaxspeed`); Ctrl-C outside the training steps (start-up, compiling, a search) as
 one line, with exit code 130 (during the steps the training loop saves first and exits
-128 + the signal's number).
+75 after SIGTERM, for a scheduler to requeue the job, or 130 after SIGINT).
 """
 
 from __future__ import annotations
@@ -88,6 +88,6 @@ def _run(args) -> int:
         }
         return handlers[args.command](args)
     except JaxspeedError as err:
-        signum = getattr(err, "signum", None)  # preempted: the checkpoint is saved
-        print(f"jaxspeed {args.command}: {'' if signum else 'error: '}{err}", file=sys.stderr)
-        return 128 + signum if signum else 2
+        saved = getattr(err, "exit_code", None)  # preempted: the checkpoint is saved
+        print(f"jaxspeed {args.command}: {'' if saved else 'error: '}{err}", file=sys.stderr)
+        return saved or 2

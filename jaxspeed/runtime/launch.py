@@ -35,7 +35,7 @@ from jaxspeed.runtime.distributed import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
-from jaxspeed.errors import JaxspeedError
+from jaxspeed.errors import REQUEUE_EXIT_CODE, JaxspeedError
 
 DEFAULT_INIT_TIMEOUT = 120  # seconds for the children's start-up barrier
 DEFAULT_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
@@ -220,6 +220,7 @@ class _Launcher:
     def run(self, timeout: float | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         done = 0
+        codes: list[int] = []
         forward_deadline = None
         while done < self.nproc:
             if self.signalled is not None and forward_deadline is None:
@@ -238,6 +239,7 @@ class _Launcher:
                     return EXIT_TIMEOUT
                 continue
             done += 1
+            codes.append(code)
             if code == 0:
                 continue
             if self.signalled is not None:  # told to stop: let the others finish within grace
@@ -257,7 +259,11 @@ class _Launcher:
             return code if code > 0 else 128 - code
         for child in self.children:
             self._flush(child)
-        return 0 if self.signalled is None else 128 + self.signalled
+        if self.signalled is None:
+            return 0
+        if set(codes) == {REQUEUE_EXIT_CODE}:  # every rank saved its checkpoint: requeue it
+            return REQUEUE_EXIT_CODE
+        return 128 + self.signalled
 
 
 def launch(
@@ -287,8 +293,10 @@ def launch(
 
     Returns:
       0 when every child exited 0; the failing child's exit code (128 + signal number when
-      it was killed by a signal) when one failed; 124 on `timeout`; 128 + signal number when
-      the launcher got SIGINT / SIGTERM (forwarded to the children, which get `grace`
+      it was killed by a signal) when one failed; 124 on `timeout`; 75
+      (`REQUEUE_EXIT_CODE`) when the launcher got SIGTERM and every child exited 75 (each
+      `jaxspeed train` saved its checkpoint); else 128 + signal number when the launcher
+      got SIGINT / SIGTERM (forwarded to the children, which get `grace`
       seconds to exit before SIGKILL).
 
     Raises:

@@ -30,26 +30,33 @@ from jaxspeed.checkpoint.params import with_checkpoint_model
 from jaxspeed.config import Config
 from jaxspeed.data.dataset import TokenDataset
 from jaxspeed.train.engine import Engine, initialize
-from jaxspeed.errors import ConfigError, JaxspeedError
+from jaxspeed.errors import REQUEUE_EXIT_CODE, ConfigError, JaxspeedError
 from jaxspeed.cost.fit import DoesNotFit, device_memory, engine_verdict
 from jaxspeed.data.grain_loader import GrainTokenDataset, make_dataset
 from jaxspeed.train.metrics_log import MetricsLog, TrainRecord, last_record
 from jaxspeed.train.resume import (
     check_config, check_steps, readable_meta, restore_readable, resume_point)
-from jaxspeed.train.processes import agreed, shared_run_folder, stop_on_signals
+from jaxspeed.train.processes import SampleOrder, agreed, shared_run_folder, stop_on_signals
 from jaxspeed.cost.flops import model_train_flops
 from jaxspeed.cost.peaks import mfu, peak_flops
 from jaxspeed.runtime.progress import Progress, phase
 
 
 class TrainingInterrupted(JaxspeedError):
-    """SIGTERM/SIGINT stopped the run after a checkpoint was saved."""
+    """SIGTERM/SIGINT stopped the run after a checkpoint was saved.
+
+    `exit_code` is the CLI's: `REQUEUE_EXIT_CODE` (75) after SIGTERM (preemption, a time
+    limit: the job may be requeued and resumes), 128 + the signal's number after SIGINT.
+    """
 
     def __init__(self, signum: int, step: int, directory: Path):
         self.signum = signum
+        self.exit_code = REQUEUE_EXIT_CODE if signum == signal.SIGTERM else 128 + signum
+        then = (f"exit code {REQUEUE_EXIT_CODE}: requeue the job, or run the same command, to "
+                f"resume" if signum == signal.SIGTERM else "run the same command to resume")
         super().__init__(
             f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved in "
-            f"{directory} (run the same command to resume)"
+            f"{directory} ({then})"
         )
 
 
@@ -93,14 +100,37 @@ def _train_batches(engine: Engine, dataset, start: int, saved_state: dict | None
     return (_local_batch(engine, dataset, step) for step in itertools.count(start))
 
 
-def _data_meta(engine: Engine, batches, done: int) -> dict[str, Any]:
-    """The data position and global batch size saved with a checkpoint (and the Grain
-    iterator state, when one)."""
+def _data_meta(engine: Engine, batches, done: int, order: SampleOrder) -> dict[str, Any]:
+    """What a checkpoint's record says of the data and the layout: the data position, the
+    samples' digest, the global batch and how it was split (the Grain iterator's state, when
+    one)."""
+    sizes = engine.batch_sizes
     meta: dict[str, Any] = {
-        "data_position": done, "global_batch": engine.batch_sizes.train_batch_size}
+        "data_position": done, "sample_digest": order.digest(),
+        "global_batch": sizes.train_batch_size, "processes": jax.process_count(),
+        "devices": engine.mesh.size, "micro_batch_per_device": sizes.micro_batch_per_device,
+        "accumulation_steps": sizes.accumulation_steps,
+    }
     if hasattr(batches, "get_state"):
         meta["data_state"] = batches.get_state()
     return meta
+
+
+def _say_elastic(engine: Engine, meta: dict[str, Any], step: int) -> None:
+    """One line when the run resumes on another number of processes or devices than saved it."""
+    sizes = engine.batch_sizes
+    if "devices" not in meta:
+        return
+    now = (jax.process_count(), engine.mesh.size)
+    then = (meta["processes"], meta["devices"])
+    if now == then:
+        return
+    print(f"jaxspeed train: elastic resume of step {step}: {then[0]} processes, {then[1]} "
+          f"devices -> {now[0]} processes, {now[1]} devices; global batch "
+          f"{sizes.train_batch_size} kept (micro batch per device x accumulation: "
+          f"{meta['micro_batch_per_device']} x {meta['accumulation_steps']} -> "
+          f"{sizes.micro_batch_per_device} x {sizes.accumulation_steps}); the data order "
+          f"continues", file=sys.stderr)
 
 
 def _sampler(engine: Engine):
@@ -289,7 +319,12 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
             state, saved_meta = _restore_or_init(engine, config, ckpt, latest,
                                                  by_hand=resume_step is not None, show=is_main)
         start = int(jax.device_get(state.step))
+        if is_main:
+            _say_elastic(engine, saved_meta, start)
         batches = _train_batches(engine, dataset, start, saved_meta.get("data_state"))
+        local_rows = engine.batch_sizes.train_batch_size // jax.process_count()
+        order = SampleOrder(saved_meta.get("sample_digest"), step=start,
+                            first_row=jax.process_index() * local_rows)
         log = MetricsLog(output_dir, tensorboard=config.logging.tensorboard, enabled=is_main,
                          start_step=start)
         every = max(1, config.logging.every_n_steps)
@@ -306,15 +341,17 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
         try:
             with stop_on_signals() as stop:
                 for step in range(start, steps):
+                    batch = next(batches)
+                    order.add(batch)
                     if bar is None:  # the first step compiles it: rates are timed from its end
                         first_time = time.perf_counter()
                         with phase("compiling the train step", enabled=show):
-                            state, metrics = engine.train_step(state, next(batches))
+                            state, metrics = engine.train_step(state, batch)
                             jax.block_until_ready(metrics)
                         bar = Progress(steps, desc="train", unit="step", initial=step + 1, enabled=show)
                         last_time, last_step = time.perf_counter(), step + 1
                     else:
-                        state, metrics = engine.train_step(state, next(batches))
+                        state, metrics = engine.train_step(state, batch)
                         bar.update(1)
                     done = step + 1
                     logging_now = done % every == 0 or done == steps
@@ -335,7 +372,8 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
                             rates = throughput.record(done - last_step, now - last_time)
                         else:  # the first step alone: its compile is in its time
                             rates = throughput.record(1, now - first_time)
-                        record = TrainRecord(step=done, **values, **rates)
+                        record = TrainRecord(step=done, **values, **rates,
+                                             sample_digest=order.digest())
                         if eval_every and (done % eval_every == 0 or done == steps):
                             record["eval_loss"] = evaluate(
                                 engine, state, dataset, batches=config.logging.eval_batches
@@ -348,7 +386,7 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
                         if is_main:  # on stdout, as before; tqdm.write keeps a bar intact
                             tqdm.write(f"sample @ step {done}: {text!r}")
                     if saving_now or final:
-                        meta = _data_meta(engine, batches, done)
+                        meta = _data_meta(engine, batches, done, order)
                         engine.save(state, directory=ckpt.directory, meta=meta)
                         last_save = time.monotonic()
                     if logging_now:

@@ -36,6 +36,10 @@ class TrainRecord(TypedDict, total=False):
     #: hardware FLOPs utilisation: the compiled step's FLOP/s per device over the peak; above
     #: `mfu` by the recomputed forward under remat
     hfu: NotRequired[float]
+    #: the digest of every global batch trained on up to this step, in order (16 hex digits,
+    #: `jaxspeed.data.sample_digest`): equal in runs that trained on the same samples in the same
+    #: order, on any number of processes, and across a resume
+    sample_digest: str
     #: mean held-out loss (every `logging.eval_every_n_steps`)
     eval_loss: NotRequired[float]
     #: fp16: the dynamic loss scale, and 1 when the step was skipped (non-finite gradients)

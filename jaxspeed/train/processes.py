@@ -1,16 +1,18 @@
-"""What the processes of one run agree on: a signal seen or a save due at the same step, and
-the run folder that process 0 takes for all of them."""
+"""What the processes of one run agree on: a signal seen or a save due at the same step, the
+run folder that process 0 takes for all of them, and the digest of the samples trained on."""
 
 from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from jaxspeed.data.sample_digest import START, batch_fingerprint, chained
 from jaxspeed.errors import JaxspeedError
 from jaxspeed.train.run_dir import run_folder
 
@@ -63,3 +65,51 @@ def shared_run_folder(output_dir: Path, *, writer: bool):
         if refused:
             raise JaxspeedError(f"process 0 could not take the output folder {output_dir} (its error says why)")
         yield
+
+
+def summed(values: Sequence[int]) -> list[int]:
+    """Each of `values` (64-bit unsigned) added up over the processes, modulo 2**64; every
+    process passes as many values. One all-gather, as two 32-bit halves (JAX without x64)."""
+    values = list(values)
+    if jax.process_count() == 1 or not values:
+        return values
+    from jax.experimental import multihost_utils
+
+    halves = np.array([[v >> 32, v & 0xFFFFFFFF] for v in values], dtype=np.uint32)
+    seen = np.asarray(multihost_utils.process_allgather(halves)).astype(np.uint64)
+    seen = seen.reshape(-1, len(values), 2)
+    return [int(sum((int(hi) << 32) | int(lo) for hi, lo in seen[:, i]) & ((1 << 64) - 1))
+            for i in range(len(values))]
+
+
+class SampleOrder:
+    """The digest of the samples trained on so far (`jaxspeed.data.sample_digest`), kept step by
+    step: each process adds its rows' share of every step's fingerprint, and `digest()` adds
+    up the processes' shares of the steps since its last call and chains them.
+
+    `digest()` is collective: every process calls it at the same steps.
+
+    Args:
+      digest: the digest saved with the checkpoint the run resumes (`START` when None: a
+        fresh run, or a checkpoint saved before digests were).
+      step: the steps already done.
+      first_row: this process's first row in each global batch.
+    """
+
+    def __init__(self, digest: str | None, *, step: int, first_row: int):
+        self._digest = digest or START
+        self._step = step
+        self._first_row = first_row
+        self._pending: list[int] = []
+
+    def add(self, batch: Mapping[str, np.ndarray]) -> None:
+        """Counts the next step's batch (this process's rows)."""
+        self._pending.append(batch_fingerprint(batch, first_row=self._first_row))
+
+    def digest(self) -> str:
+        """The digest after every batch added so far."""
+        for fingerprint in summed(self._pending):
+            self._step += 1
+            self._digest = chained(self._digest, self._step, fingerprint)
+        self._pending.clear()
+        return self._digest

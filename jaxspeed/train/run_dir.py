@@ -8,6 +8,9 @@ run ends, an exception included. A lock left by a process that died without remo
 
 - taken over, with a warning, when it names this host and a pid that is not running (or this
   process's own pid: a container restarted under the same pid and hostname);
+- taken over, with a warning, when it names this SLURM job (`SLURM_JOB_ID`) and an earlier
+  run of it (`SLURM_RESTART_COUNT`): SLURM ended every step of a job before it requeued it,
+  and the requeued job may run on other nodes;
 - refused when it names another host, whose processes cannot be checked from here: the
   message says which file to delete once that run is known to be gone.
 
@@ -84,11 +87,33 @@ def _describe(holder: dict[str, Any]) -> str:
     started = holder.get("started")
     since = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))}" if isinstance(
         started, (int, float)) else ""
-    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{since}"
+    job = f", SLURM job {holder['slurm_job']}" if "slurm_job" in holder else ""
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{job}{since}"
+
+
+def _slurm_run() -> tuple[str, int] | None:
+    """This process's SLURM job and how often it was requeued before, or None outside SLURM."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return job, int(restarts) if restarts.isdigit() else 0
+
+
+def _earlier_run_of_this_job(holder: dict[str, Any]) -> bool:
+    """Whether the lock was taken by an earlier run of this SLURM job (before a requeue)."""
+    ours = _slurm_run()
+    theirs = holder.get("slurm_job"), holder.get("slurm_restart")
+    if ours is None or theirs[0] != ours[0] or not isinstance(theirs[1], int):
+        return False
+    return theirs[1] < ours[1]
 
 
 def _is_stale(holder: dict[str, Any], host: str) -> bool:
-    """Whether the lock's holder is certainly gone: this host, and its pid not running (or ours)."""
+    """Whether the lock's holder is certainly gone: this host, and its pid not running (or ours);
+    or an earlier run of this SLURM job."""
+    if _earlier_run_of_this_job(holder):
+        return True
     pid = holder.get("pid")
     if holder.get("host") != host or not isinstance(pid, int):
         return False
@@ -96,13 +121,17 @@ def _is_stale(holder: dict[str, Any], host: str) -> bool:
 
 
 def _create(lock: Path, host: str) -> bool:
-    """Creates the lock naming this process; False when it exists already."""
+    """Creates the lock naming this process (and its SLURM job); False when it exists already."""
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    holder: dict[str, Any] = {"pid": os.getpid(), "host": host, "started": time.time()}
+    slurm = _slurm_run()
+    if slurm is not None:
+        holder["slurm_job"], holder["slurm_restart"] = slurm
     with os.fdopen(fd, "w") as f:
-        json.dump({"pid": os.getpid(), "host": host, "started": time.time()}, f)
+        json.dump(holder, f)
     return True
 
 
@@ -147,8 +176,10 @@ def acquire_lock(folder: Path) -> Path:
             continue
         if _is_stale(holder, host):
             if _take_over(lock, holder):
-                print(f"jaxspeed train: warning: taking over the lock of {folder} from a run "
-                      f"that is no longer running ({_describe(holder)})", file=sys.stderr)
+                which = ("this SLURM job's run before its requeue" if _earlier_run_of_this_job(
+                    holder) else "a run that is no longer running")
+                print(f"jaxspeed train: warning: taking over the lock of {folder} from {which} "
+                      f"({_describe(holder)})", file=sys.stderr)
             continue
         if holder.get("host") == host:
             raise RunFolderBusy(
