@@ -7,7 +7,7 @@ their `fp8.recipe`. The figure is the held-out loss at the end (`eval_loss` over
 `ratio` is bf16's held-out loss / the recipe's (>= 0.985 passes; > 1 means FP8 ended lower).
 
     python benchmarks/fp8_convergence.py               # 300 steps, every recipe (~4 x 5 min on 2 cores)
-    python benchmarks/fp8_convergence.py --quick       # 10 steps, to check the script
+    python benchmarks/fp8_convergence.py --quick       # 10 steps, one recipe, to check the script
     python benchmarks/fp8_convergence.py --recipes tensorwise rowwise
 """
 
@@ -51,14 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-batches", type=int, default=16)
-    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
-    parser.add_argument("--quick", action="store_true", help="10 steps, 2 eval batches")
+    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=None,
+                        help="default: all (with --quick: the first)")
+    parser.add_argument("--quick", action="store_true",
+                        help="10 steps, 2 eval batches, one recipe unless --recipes")
     args = parser.parse_args(argv)
     steps, eval_batches = (10, 2) if args.quick else (args.steps, args.eval_batches)
+    recipes = args.recipes or list(RECIPES[:1] if args.quick else RECIPES)
 
     base = held_out_loss([], steps=steps, eval_batches=eval_batches)
     rows, results = [], []
-    for recipe in args.recipes:
+    for recipe in recipes:
         got = held_out_loss(["fp8.enabled=true", f"fp8.recipe={recipe}"], steps=steps,
                             eval_batches=eval_batches)
         ratio = base["eval_loss"] / got["eval_loss"]

@@ -5,68 +5,49 @@ up) they skip. Each node is a network namespace of its own, so the processes mee
 link, found by the nodes' names as on a cluster.
 """
 
-import json
-import os
 import re
 import signal
 import subprocess
-import time
+import sys
 from pathlib import Path
 
 import pytest
 from numerics import assert_close, program_rtol
 
-ROOT = Path(__file__).resolve().parent.parent
-CLUSTER = Path(os.environ.get("LOCAL_SLURM_DIR", "/tmp/jaxspeed-slurm"))
-JAXSPEED = ROOT / ".venv" / "bin" / "jaxspeed"
-TINY = "configs/gpt_tiny.yaml"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from _slurm_jobs import (  # noqa: E402
+    ELASTIC, JAXSPEED, ROOT, TINY, Job, cluster_up, local_slurm, records, seconds_until_done,
+    signal_rank, slurm)
+
 STEPS = 3
 
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(
-    not (CLUSTER / "slurm.conf").exists(), reason="no local SLURM cluster up "
-    "(tools/local_slurm.sh up; make test-slurm does it)")]
+    not cluster_up(), reason="no local SLURM cluster up (tools/local_slurm.sh up; make "
+    "test-slurm does it)")]
 
 
-#: The tests' persistent compilation cache (conftest) stays out of the jobs: with it, one rank
-#: of a 2-process run could load a step the other compiles afresh, and a run stuck in its
-#: compile was seen that way (not investigated further).
-_JOB_ENV = {k: v for k, v in os.environ.items()
-            if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
-
-
-def slurm(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    """A SLURM command run where the local cluster's commands work (its jobs take this
-    environment: `--export=ALL`)."""
-    return subprocess.run([str(ROOT / "tools" / "local_slurm.sh"), "run", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, check=False,
-                          env=_JOB_ENV)
-
-
-def records(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+def train_here(folder: Path, steps: int, *args: str) -> list[dict]:
+    """The same run in one process with as many devices (2) as the job's first run: its
+    metrics records."""
+    subprocess.run([str(JAXSPEED), "train", TINY, "--cpu-devices", "2", "--steps", str(steps),
+                    "--output", str(folder), "--no-progress", *args], cwd=ROOT,
+                   capture_output=True, text=True, timeout=300, check=True)
+    return records((folder / "metrics.jsonl").read_text())
 
 
 def test_sbatch_trains_like_one_process_with_the_same_devices(tmp_path):
-    out = tmp_path / "job.out"
-    job = slurm("sbatch", "--wait", f"--chdir={ROOT}", f"--output={out}",
-                f"--export=ALL,CONFIG={TINY},OUTPUT={tmp_path / 'run'},JAXSPEED={JAXSPEED}",
-                "examples/slurm/train.sbatch", "--cpu-devices", "1", "--steps", str(STEPS),
-                "--set", "logging.every_n_steps=1")
-    assert job.returncode == 0, job.stdout + job.stderr + out.read_text()
-    text = out.read_text()
+    job = Job(tmp_path, "--steps", str(STEPS), "--set", "logging.every_n_steps=1")
+    assert seconds_until_done(240) < 240, job.text()
+    text = job.text()
     (final,) = records(text)  # rank 0 only: one final line, one progress bar
     assert text.count("compiling the train step: done") == 1
-    logged = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in logged] == list(range(1, STEPS + 1))  # once
-    one = subprocess.run([str(JAXSPEED), "train", TINY, "--cpu-devices", "2", "--steps",
-                          str(STEPS), "--output", str(tmp_path / "one"), "--set",
-                          "logging.every_n_steps=1"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=240, check=True)
-    (want,) = records(one.stdout)
+    assert [r["step"] for r in job.metrics()] == list(range(1, STEPS + 1))  # each step once
+    want = train_here(tmp_path / "one", STEPS, "--set", "logging.every_n_steps=1")[-1]
     # 2 processes x 1 device against 1 process x 2 devices: the same program, its gradient
     # sums over gloo instead of in-process (another order at most)
     assert_close(final["loss"], want["loss"], rtol=program_rtol(width=256, depth=64))
     assert final["step"] == want["step"] == STEPS
+    assert final["sample_digest"] == want["sample_digest"]
 
 
 @pytest.mark.parametrize("absent, says", [
@@ -85,59 +66,71 @@ def test_a_rank_that_never_comes_is_named_within_the_timeout(tmp_path, absent, s
     assert re.search(says, text), text
 
 
-def start_training(tmp_path, **env: str) -> Path:
-    """Submits a long run of the sbatch script; returns its output file once rank 0 logs a
-    step (both processes are training)."""
-    out = tmp_path / "job.out"
-    extra = "".join(f",{k}={v}" for k, v in env.items())
-    job = slurm("sbatch", f"--chdir={ROOT}", f"--output={out}",
-                f"--export=ALL,CONFIG={TINY},OUTPUT={tmp_path / 'run'},JAXSPEED={JAXSPEED}{extra}",
-                "examples/slurm/train.sbatch", "--cpu-devices", "1", "--steps", "100000",
-                "--set", "logging.every_n_steps=1")
-    assert job.returncode == 0, job.stderr
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert metrics.exists(), out.read_text() if out.exists() else "no job output"
-    return out
-
-
-def signal_rank(rank: int, signum: int) -> None:
-    """Sends `signum` to rank `rank`'s `jaxspeed train` (node `rank + 1`), every process of
-    it: a process it forked carries the same command line."""
-    found = subprocess.run(["ip", "netns", "pids", f"jsslurm{rank + 1}"], capture_output=True,
-                           text=True, check=True).stdout.split()
-    sent = 0
-    for pid in found:
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if b"jaxspeed train" in command:
-            os.kill(int(pid), signum)
-            sent += 1
-    assert sent, f"no jaxspeed train process of rank {rank}"
-
-
-def seconds_until_done(limit: float) -> float:
-    """Waits for the queue to empty; the seconds it took (past `limit`: a hang)."""
-    start = time.monotonic()
-    while slurm("squeue", "-h").stdout.strip() and time.monotonic() - start < limit:
-        time.sleep(1)
-    return time.monotonic() - start
+def start_training(tmp_path, **env: str) -> Job:
+    """A long run of the sbatch script, once rank 0 logs a step (both processes train)."""
+    job = Job(tmp_path, "--steps", "100000", "--set", "logging.every_n_steps=1", env=env)
+    job.wait_for_step(1)
+    return job
 
 
 def test_a_killed_rank_ends_the_job_within_30_s_naming_it(tmp_path):
-    out = start_training(tmp_path)
+    job = start_training(tmp_path)
     signal_rank(1, signal.SIGKILL)
     assert seconds_until_done(120) < 30
-    assert "n2: task 1: Killed" in out.read_text()  # srun --kill-on-bad-exit names it
+    assert "n2: task 1: Killed" in job.text()  # srun --kill-on-bad-exit names it
 
 
 def test_a_hung_rank_stops_the_others_within_the_heartbeat_timeout_naming_it(tmp_path):
-    out = start_training(tmp_path, JAXSPEED_HEARTBEAT_TIMEOUT="30")
+    job = start_training(tmp_path, JAXSPEED_HEARTBEAT_TIMEOUT="30")
     signal_rank(1, signal.SIGSTOP)
     assert seconds_until_done(180) < 30 + 20  # the timeout, then SLURM's teardown
-    text = out.read_text()
+    text = job.text()
     assert re.search(r"stopped sending heartbeats\):\s*1\b", text), text[-3000:]
+
+
+def test_a_lost_node_a_preemption_and_the_time_limit_each_resume_the_same_samples(tmp_path):
+    """One elastic job (`--nodes=1-2`, a checkpoint every 4 steps) through three faults:
+    1. node 2 is lost: SLURM requeues the job, which resumes on node 1 alone (shrink);
+    2. node 2 is back, and `scancel --signal=TERM` preempts the job: a checkpoint at the step
+       boundary, exit 75, the script requeues it, and it resumes on both nodes (grow);
+    3. the time limit comes within the script's 120 s warning: the same way.
+    Then a plain `scancel` ends it: saved, not requeued. Its metrics equal an uninterrupted
+    run's: the same samples, step by step, and the same losses up to the reduction order."""
+    job = Job(tmp_path, "--steps", "100000", *ELASTIC, "--set", "checkpoint.every_n_steps=4",
+              nodes="1-2")
+    job.wait_for(r"run 0, on 2 nodes")
+    job.wait_for_step(6)
+    assert local_slurm("node-down", "2").returncode == 0
+    shrunk = job.wait_for(
+        r"elastic resume of step (\d+): 2 processes, 2 devices -> 1 processes, 1 devices; global "
+        r"batch 8 kept \(micro batch per device x accumulation: 4 x 1 -> 4 x 2\)")
+    assert "run 1, on 1 nodes" in job.text()
+    assert int(shrunk.group(1)) >= 4  # at most the steps since the last checkpoint are lost
+    job.wait_for_step(int(shrunk.group(1)) + 3)
+
+    assert local_slurm("node-up", "2").returncode == 0
+    job.signal("TERM")
+    stopped = job.wait_for(r"stopped by SIGTERM after step (\d+); checkpoint saved .*exit code 75")
+    grown = job.wait_for(r"elastic resume of step (\d+): 1 processes, 1 devices -> 2 processes")
+    assert grown.group(1) == stopped.group(1)  # nothing lost
+    assert "run 2, on 2 nodes" in job.text()
+    job.wait_for_step(int(stopped.group(1)) + 3)
+
+    slurm("scontrol", "update", f"jobid={job.id}", "timelimit=2")  # the warning is due at once
+    timed = job.wait_for(r"stopped by SIGTERM after step (\d+)", count=3, limit=120)
+    slurm("scontrol", "update", f"jobid={job.id}", "timelimit=UNLIMITED")
+    job.wait_for(rf"restoring step {timed.group(1)}: done")
+    job.wait_for_step(int(timed.group(1)) + 2)
+
+    job.cancel()
+    assert seconds_until_done(60) < 60, job.text()[-3000:]
+    assert "the job was cancelled or ran out of time: submit it again" in job.text()
+    logged = job.metrics()
+    steps = [r["step"] for r in logged]
+    assert steps == list(range(1, len(steps) + 1))  # each step once
+    want = train_here(tmp_path / "one", len(steps), *ELASTIC)
+    assert [r["sample_digest"] for r in logged] == [r["sample_digest"] for r in want]
+    # accumulation 2 on one node, gloo on two, against 1 process: the gradient sums in another
+    # order, at each step; the run is one program of `steps` chained steps (numerics.py, 2)
+    assert_close([r["loss"] for r in logged], [r["loss"] for r in want],
+                 rtol=program_rtol(width=256, depth=64 * len(steps)))

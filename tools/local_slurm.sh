@@ -8,6 +8,9 @@
 #                                       squeue, scontrol: the controller's namespace)
 #   tools/local_slurm.sh down           stop the daemons, remove the namespaces and the state
 #   tools/local_slurm.sh status         sinfo
+#   tools/local_slurm.sh node-down K    node K is lost: every process on it killed (slurmd and
+#                                       job steps alike), and SLURM told it is down
+#   tools/local_slurm.sh node-up K      node K back: its slurmd started again, waits until idle
 #
 # Needs root (network namespaces, tc). RATE_MBIT (default 0: unlimited) shapes each node's link
 # with tbf, as ../shared/tools/slow_link.sh does. LOCAL_SLURM_DIR (default /tmp/jaxspeed-slurm)
@@ -15,6 +18,8 @@
 # script creates (10.78.0.0/24: node k at 10.78.0.k, the controller at 10.78.0.254); each
 # namespace's /etc/hosts (/etc/netns/NS/hosts) names every node, so JAX's SLURM detection finds
 # the coordinator by the first node's name. `up` cleans up after itself when it fails.
+# A requeued job starts again within seconds here (cred_expire=5, sched_interval=2); on a
+# cluster with SLURM's defaults it waits about 2 minutes.
 set -euo pipefail
 
 DIR=${LOCAL_SLURM_DIR:-/tmp/jaxspeed-slurm}
@@ -48,6 +53,8 @@ SlurmctldPort=$PORT_CTL
 SlurmdPort=$PORT_NODE
 AuthType=auth/none
 CredType=cred/none
+AuthInfo=cred_expire=5
+SchedulerParameters=sched_interval=2
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$DIR/state
@@ -183,10 +190,37 @@ down() {
   if [ -n "${KEEP_LOGS:-}" ]; then rm -rf "$DIR/state"; else rm -rf "$DIR"; fi
 }
 
+node_number() {
+  [[ ${1:-} =~ ^[1-9][0-9]*$ ]] && [ "$1" -le "$(nodes)" ] || {
+    echo "local_slurm.sh: no node ${1:-} (nodes 1..$(nodes))" >&2; exit 2; }
+}
+
+node_down() {
+  local k=$1
+  node_number "$k"
+  ip netns pids "$(node_ns "$k")" | xargs -r kill -9
+  in_ctl scontrol update nodename="n$k" state=down reason="lost (local_slurm.sh node-down)"
+}
+
+node_up() {
+  local k=$1 deadline=$((SECONDS + 60))
+  node_number "$k"
+  in_ns "$(node_ns "$k")" slurmd -N "n$k" -f "$DIR/slurm.conf"
+  in_ctl scontrol update nodename="n$k" state=resume 2>/dev/null || true  # already back
+  while [ $SECONDS -lt $deadline ]; do
+    [ "$(in_ctl sinfo -h -n "n$k" -o '%t')" = idle ] && return 0
+    sleep 1
+  done
+  echo "local_slurm.sh: node n$k did not come back in 60 s" >&2
+  return 1
+}
+
 case "${1:-}" in
 up) shift; up "$@" ;;
 down) need_root; down; echo "local_slurm.sh: down" ;;
 run) shift; in_ctl "$@" ;;
 status) in_ctl sinfo ;;
-*) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+node-down) need_root; node_down "${2:-}" ;;
+node-up) need_root; node_up "${2:-}" ;;
+*) sed -n '2,/^set -e/{/^set -e/d;p}' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac

@@ -14,6 +14,7 @@ one line, with exit code 130 (during the steps the training loop saves first and
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from jaxspeed.cli import checkpoints, data, plan, run
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             return INTERRUPTED
 
 
-def _first_process(record: logging.LogRecord) -> bool:
+def _first_process(record: logging.LogRecord | None = None) -> bool:
     import jax
 
     return jax.process_index() == 0
@@ -89,5 +90,12 @@ def _run(args) -> int:
         return handlers[args.command](args)
     except JaxspeedError as err:
         saved = getattr(err, "exit_code", None)  # preempted: the checkpoint is saved
-        print(f"jaxspeed {args.command}: {'' if saved else 'error: '}{err}", file=sys.stderr)
-        return saved or 2
+        if saved is None:
+            print(f"jaxspeed {args.command}: error: {err}", file=sys.stderr)
+            return 2
+        # srun stops the other ranks (SIGTERM) once one exits: that must not turn their exit
+        # code, which says the checkpoint is saved, into 143 while JAX shuts down
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if _first_process():
+            print(f"jaxspeed {args.command}: {err}", file=sys.stderr)
+        return saved

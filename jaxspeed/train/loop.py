@@ -5,7 +5,9 @@ saved with the same config (`jaxspeed.train.resume`); the data order and RNG con
 as if it had never stopped (byte data: batches are a function of the step; token-file data:
 the Grain iterator's state is saved in the checkpoint's JSON record). It saves at the end,
 every `checkpoint.every_n_steps` steps and every `checkpoint.every_n_minutes` minutes.
-SIGTERM or SIGINT (preemption, Ctrl-C) finishes the current step, saves, and stops. The output
+SIGTERM or SIGINT (preemption, Ctrl-C) finishes the current step, saves, and stops; after
+SIGTERM the exit code is 75, `REQUEUE_EXIT_CODE` (a SIGTERM during the start-up stops the run
+after its first step, so a job requeued again and again still makes progress). The output
 folder is created and locked against a second run before anything starts (`run_dir`).
 
 Progress goes to stderr from process 0 (`jaxspeed.runtime.progress`): the start-up phases,
@@ -287,15 +289,19 @@ def train(
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
     is_main = jax.process_index() == 0
-    with shared_run_folder(Path(output_dir), writer=is_main):  # before anything starts
+    # SIGTERM from here on (a preemption during the start-up, a compile included) stops the
+    # run at the first step boundary with a checkpoint: each requeue makes progress
+    with shared_run_folder(Path(output_dir), writer=is_main), \
+            stop_on_signals(signal.SIGTERM) as stop:  # before anything starts
         return _train(config, Path(output_dir), steps, is_main=is_main,
                       show=progress is not False and is_main, force=force,
-                      resume_step=resume_step)
+                      resume_step=resume_step, stop=stop)
 
 
 def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show: bool,
-           force: bool, resume_step: int | None) -> TrainRecord:
-    """`train` in its locked run folder."""
+           force: bool, resume_step: int | None, stop: dict[str, int | None]) -> TrainRecord:
+    """`train` in its locked run folder; `stop` records a SIGTERM (and, during the steps,
+    SIGINT)."""
     engine = initialize(config)  # quick (nothing compiles), and where config errors show
     ckpt_dir = Path(config.checkpoint.dir or Path(output_dir) / "checkpoints")
     # a refused plan leaves no checkpoint folder behind: open it here only when it exists
@@ -339,7 +345,7 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
         first_time = last_time = time.perf_counter()
         last_step, last_save = start, time.monotonic()
         try:
-            with stop_on_signals() as stop:
+            with stop_on_signals(signal.SIGINT, received=stop):  # before the loop, Ctrl-C quits
                 for step in range(start, steps):
                     batch = next(batches)
                     order.add(batch)

@@ -18,9 +18,10 @@ from jaxspeed.train.run_dir import run_folder
 
 
 @contextmanager
-def stop_on_signals():
-    """Records SIGTERM/SIGINT instead of dying, so the loop can save first."""
-    received: dict[str, int | None] = {"signum": None}
+def stop_on_signals(*signums: int, received: dict[str, int | None] | None = None):
+    """Records `signums` (default SIGTERM and SIGINT) in `received["signum"]` instead of dying,
+    so the loop can save first; yields `received` (a new dict when None)."""
+    received = {"signum": None} if received is None else received
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
@@ -28,7 +29,7 @@ def stop_on_signals():
     def handler(signum, frame):
         received["signum"] = signum
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, handler) for s in signums or (signal.SIGTERM, signal.SIGINT)}
     try:
         yield received
     finally:
