@@ -83,7 +83,8 @@ test-wheel: $(STAMP)
 # A real SLURM cluster of two nodes on this machine (tools/local_slurm.sh: root, a network
 # namespace per node, slurm-wlm installed with apt-get when missing), taken down afterwards
 # whatever happens: examples/slurm/train.sbatch (the README's script) trained on it against one
-# process, and ranks that never come named within the start-up timeout. About 3-4 minutes.
+# process; ranks that never come, a killed and a hung rank named; one elastic job through a lost
+# node, a preemption and the time limit, against an uninterrupted run. About 6-7 minutes.
 test-slurm: $(STAMP)
 	tools/local_slurm.sh up 2
 	$(PY) -m pytest -p no:cacheprovider -m slurm tests/test_slurm.py; \

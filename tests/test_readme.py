@@ -56,3 +56,11 @@ def test_flax_snippet_runs_as_written():
     assert math.isfinite(loss) and loss > 0
     per_device = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
     assert per_device["params"] == 16 * 64 * 4 and per_device["total"] > 0
+
+
+def test_slurm_snippet_is_the_script_ci_runs():
+    text = (ROOT / "README.md").read_text()
+    marker = "# examples/slurm/train.sbatch below its header comments: 2 nodes, one process per node\n"
+    block = text.split(marker, 1)[1].split("```", 1)[0]
+    script = (ROOT / "examples" / "slurm" / "train.sbatch").read_text()
+    assert block == script[script.index("#SBATCH --job-name"):]

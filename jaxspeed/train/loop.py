@@ -37,7 +37,7 @@ from jaxspeed.cost.fit import DoesNotFit, device_memory, engine_verdict
 from jaxspeed.data.grain_loader import GrainTokenDataset, make_dataset
 from jaxspeed.train.metrics_log import MetricsLog, TrainRecord, last_record
 from jaxspeed.train.resume import (
-    check_config, check_steps, readable_meta, restore_readable, resume_point)
+    check_config, check_steps, readable_meta, restore_readable, resume_point, say_elastic)
 from jaxspeed.train.processes import SampleOrder, agreed, shared_run_folder, stop_on_signals
 from jaxspeed.cost.flops import model_train_flops
 from jaxspeed.cost.peaks import mfu, peak_flops
@@ -116,23 +116,6 @@ def _data_meta(engine: Engine, batches, done: int, order: SampleOrder) -> dict[s
     if hasattr(batches, "get_state"):
         meta["data_state"] = batches.get_state()
     return meta
-
-
-def _say_elastic(engine: Engine, meta: dict[str, Any], step: int) -> None:
-    """One line when the run resumes on another number of processes or devices than saved it."""
-    sizes = engine.batch_sizes
-    if "devices" not in meta:
-        return
-    now = (jax.process_count(), engine.mesh.size)
-    then = (meta["processes"], meta["devices"])
-    if now == then:
-        return
-    print(f"jaxspeed train: elastic resume of step {step}: {then[0]} processes, {then[1]} "
-          f"devices -> {now[0]} processes, {now[1]} devices; global batch "
-          f"{sizes.train_batch_size} kept (micro batch per device x accumulation: "
-          f"{meta['micro_batch_per_device']} x {meta['accumulation_steps']} -> "
-          f"{sizes.micro_batch_per_device} x {sizes.accumulation_steps}); the data order "
-          f"continues", file=sys.stderr)
 
 
 def _sampler(engine: Engine):
@@ -326,7 +309,8 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
                                                  by_hand=resume_step is not None, show=is_main)
         start = int(jax.device_get(state.step))
         if is_main:
-            _say_elastic(engine, saved_meta, start)
+            say_elastic(saved_meta, step=start, processes=jax.process_count(),
+                        devices=engine.mesh.size, sizes=engine.batch_sizes)
         batches = _train_batches(engine, dataset, start, saved_meta.get("data_state"))
         local_rows = engine.batch_sizes.train_batch_size // jax.process_count()
         order = SampleOrder(saved_meta.get("sample_digest"), step=start,

@@ -8,7 +8,9 @@ mesh or ZeRO stage. The global batch may be split otherwise (micro batch × accu
 long as its size is the same. `checkpoint.resume: force` resumes whenever the shapes fit.
 
 A newest checkpoint that cannot be read (a truncated file) is set aside and the run resumes
-the one before it, with a warning line; `--resume-step N` picks a checkpoint by hand.
+the one before it, with a warning line; `--resume-step N` picks a checkpoint by hand. A resume
+on another number of processes or devices (elastic: a lost node, a node back) says what
+changed in one line (`say_elastic`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxspeed.checkpoint.state import Checkpointer, CheckpointError, UnreadableCheckpoint
-from jaxspeed.config import Config, load_config
+from jaxspeed.config import BatchSizes, Config, load_config
 from jaxspeed.errors import ConfigError, JaxspeedError
 
 #: Config keys (and key prefixes, ending in ".") a resumed run may change.
@@ -235,3 +237,24 @@ def _set_aside_later(ckpt: Checkpointer, restored: int, bad: list[UnreadableChec
             line = (f"resuming step {restored} (--resume-step): the later checkpoint of step "
                     f"{later} is set aside as {path}")
         print(f"jaxspeed train: warning: {line}", file=sys.stderr)
+
+
+def say_elastic(meta: Mapping[str, Any], *, step: int, processes: int, devices: int,
+                sizes: BatchSizes) -> None:
+    """One line on stderr when a run resumes the checkpoint `meta` on another number of
+    processes or devices than saved it: the global batch kept, and how it is split now.
+
+    Args:
+      meta: the checkpoint's JSON record (`processes`, `devices`, `micro_batch_per_device`,
+        `accumulation_steps`: a checkpoint saved before they were recorded says nothing).
+      step: the resumed step.
+      processes, devices, sizes: this run's process and device counts and batch sizes.
+    """
+    if "devices" not in meta or (meta["processes"], meta["devices"]) == (processes, devices):
+        return
+    print(f"jaxspeed train: elastic resume of step {step}: {meta['processes']} processes, "
+          f"{meta['devices']} devices -> {processes} processes, {devices} devices; global batch "
+          f"{sizes.train_batch_size} kept (micro batch per device x accumulation: "
+          f"{meta['micro_batch_per_device']} x {meta['accumulation_steps']} -> "
+          f"{sizes.micro_batch_per_device} x {sizes.accumulation_steps}); the data order "
+          f"continues", file=sys.stderr)
