@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -96,21 +96,30 @@ class Job:
         slurm("scancel", self.id)
 
 
-def signal_rank(rank: int, signum: int) -> None:
-    """Sends `signum` to rank `rank`'s `jaxspeed train` (node `rank + 1`), every process of
-    it: a process it forked carries the same command line."""
+def rank_pids(rank: int) -> list[int]:
+    """The pids of rank `rank`'s `jaxspeed train` (node `rank + 1`), every process of it: a
+    process it forked carries the same command line. Not srun's (on node 1 with rank 0), whose
+    command line holds `jaxspeed train` too."""
     found = subprocess.run(["ip", "netns", "pids", f"jsslurm{rank + 1}"], capture_output=True,
                            text=True, check=True).stdout.split()
-    sent = 0
+    pids = []
     for pid in found:
         try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"jaxspeed train" in command:
-            os.kill(int(pid), signum)
-            sent += 1
-    assert sent, f"no jaxspeed train process of rank {rank}"
+        if b"jaxspeed train" in b" ".join(argv) and not argv[0].endswith(b"srun"):
+            pids.append(int(pid))
+    return pids
+
+
+def signal_rank(rank: int, signum: int) -> None:
+    """Sends `signum` to rank `rank`'s `jaxspeed train` (node `rank + 1`), every process of
+    it (`rank_pids`)."""
+    pids = rank_pids(rank)
+    assert pids, f"no jaxspeed train process of rank {rank}"
+    for pid in pids:
+        os.kill(pid, signum)
 
 
 def seconds_until_done(limit: float) -> float:
@@ -120,3 +129,55 @@ def seconds_until_done(limit: float) -> float:
         time.sleep(1)
     return time.monotonic() - start
 
+
+# A tmpfs the jobs see. Each node's slurmd, and so each job on it, lives in a mount namespace of
+# its own, copied (private) from this one when the node started: a mount made here afterwards
+# does not reach it. The same tmpfs is attached to each node's namespace too (a clone of the
+# mount, `open_tree`, moved into it, `move_mount`), so the nodes share one file system as on a
+# cluster, and a remount here (its size) holds for all of them.
+_ATTACH = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+folder, pid = sys.argv[1].encode(), sys.argv[2]
+tree = libc.syscall(428, -100, folder, 1 | 0o2000000)  # open_tree(AT_FDCWD, CLONE | CLOEXEC)
+if tree < 0:
+    raise OSError(ctypes.get_errno(), "open_tree")
+os.setns(os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY), os.CLONE_NEWNS)
+if libc.syscall(429, tree, b"", -100, folder, 4) < 0:  # move_mount(.., F_EMPTY_PATH)
+    raise OSError(ctypes.get_errno(), "move_mount")
+"""
+
+
+def slurmd_pids() -> list[int]:
+    """The slurmd of each node that is up (the nodes' mount namespaces)."""
+    pids = []
+    for pidfile in sorted((CLUSTER / "state").glob("slurmd-n*.pid")):
+        pid = pidfile.read_text().strip()
+        try:
+            if b"slurmd" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def mount_tmpfs(folder: Path, size: str) -> None:
+    """A tmpfs of `size` (`mount -o size=`, e.g. 130M) at `folder`, here and on every node."""
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                   check=True)
+    for pid in slurmd_pids():
+        subprocess.run([sys.executable, "-c", _ATTACH, str(folder), str(pid)], check=True)
+
+
+def remount_tmpfs(folder: Path, size: str) -> None:
+    """`mount_tmpfs`'s tmpfs resized (the nodes share it)."""
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(folder)], check=True)
+
+
+def unmount_tmpfs(folder: Path) -> None:
+    """`mount_tmpfs` undone on every node and here; what is not mounted is skipped."""
+    for pid in slurmd_pids():
+        subprocess.run(["nsenter", f"--mount=/proc/{pid}/ns/mnt", "umount", str(folder)],
+                       capture_output=True, check=False)
+    subprocess.run(["umount", str(folder)], capture_output=True, check=False)

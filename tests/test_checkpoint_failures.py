@@ -118,12 +118,19 @@ def test_a_corrupt_resume_step_is_one_line(run, capsys):
     assert len(lines) == 1 and "step 2" in lines[0] and "error" in lines[0], lines
 
 
-def test_a_failed_save_keeps_the_previous_checkpoint_and_stops_in_one_line(run, capsys, monkeypatch):
+@pytest.mark.parametrize("error", [
+    lambda where: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where),
+    # what a full disk under TensorStore raises through Orbax (seen on a real full tmpfs)
+    lambda where: ValueError(f"RESOURCE_EXHAUSTED: Error writing local file \"{where}/d/x\": "
+                             "[OS error 28: No space left on device]\n(traceback of the writer)"),
+])
+def test_a_failed_save_keeps_the_previous_checkpoint_and_stops_in_one_line(
+        run, capsys, monkeypatch, error):
     real_save = ocp.CheckpointManager.save
 
     def disk_full(self, step, *args, **kwargs):
         if step >= 6:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.directory))
+            raise error(str(self.directory))
         return real_save(self, step, *args, **kwargs)
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full)

@@ -178,17 +178,27 @@ class Checkpointer:
                 ),
                 force=True,
             )
-        except OSError as err:  # disk full, read-only, a file where a folder must go
+        except (OSError, ValueError) as err:  # disk full, read-only, a file for a folder
+            if not _storage_error(err):
+                raise
+            # an async save of an earlier step may be the one that failed: Orbax raises its
+            # error when the next save waits for it
             raise self._save_failed(step, err) from err
         self._saving = step
         return step
 
-    def _save_failed(self, step: int, err: OSError) -> CheckpointError:
+    def _save_failed(self, step: int, err: Exception) -> CheckpointError:
         """One line: the step not saved, why, and the newest checkpoint that is intact."""
         self._manager.reload()  # the failed step's partial folder is not a checkpoint
-        done = [s for s in self.all_steps() if s != step]
+        saved = self.all_steps()
+        if self._saving is not None and self._saving not in saved:
+            step = self._saving  # the background save failed, not this one
+        done = [s for s in saved if s != step]
         kept = f"step {done[-1]} is the newest intact one" if done else "no checkpoint was saved before it"
-        why = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+        if isinstance(err, OSError):
+            why = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+        else:  # TensorStore's status, through Orbax: its first line names the reason
+            why = " ".join(str(err).split("\n", 1)[0].split())[:300]
         return CheckpointError(f"cannot save step {step} in {self.directory}: {why} ({kept})")
 
     def restore(self, abstract_state, *, step: int | None = None):
@@ -289,9 +299,21 @@ class Checkpointer:
         """
         try:
             self._manager.wait_until_finished()
-        except OSError as err:
+        except (OSError, ValueError) as err:
+            if not _storage_error(err):
+                raise
             raise self._save_failed(self._saving, err) from err
 
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+#: How TensorStore reports a full or read-only disk through Orbax (a ValueError, not OSError).
+_STORAGE_REASONS = ("No space left on device", "Read-only file system", "Permission denied",
+                    "RESOURCE_EXHAUSTED", "PERMISSION_DENIED")
+
+
+def _storage_error(err: Exception) -> bool:
+    """Whether a save's error is the storage's (disk full, read-only): one line, not a bug."""
+    return isinstance(err, OSError) or any(r in str(err) for r in _STORAGE_REASONS)
