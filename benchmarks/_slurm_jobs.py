@@ -48,6 +48,14 @@ def records(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
+def train_here(folder: Path, steps: int, *args: str) -> list[dict]:
+    """The same run outside SLURM, uninterrupted: one process with as many devices (2) as a
+    two-node job; its metrics records."""
+    subprocess.run([str(JAXSPEED), "train", TINY, "--cpu-devices", "2", "--steps", str(steps),
+                    "--output", str(folder), "--no-progress", *args], cwd=ROOT, env=JOB_ENV,
+                   capture_output=True, text=True, timeout=900, check=True)
+    return records((folder / "metrics.jsonl").read_text())
+
 class Job:
     """A submitted `examples/slurm/train.sbatch`: its output file and its run folder."""
 

@@ -46,8 +46,8 @@ sys.path[:0] = [str(_HERE.parent), str(_HERE)]
 
 import _common  # noqa: E402
 from _slurm_jobs import (  # noqa: E402
-    CLUSTER, ELASTIC, JAXSPEED, JOB_ENV, ROOT, TINY, Job, cluster_up, local_slurm, mount_tmpfs,
-    rank_pids, records, remount_tmpfs, seconds_until_done, signal_rank, slurm, unmount_tmpfs)
+    CLUSTER, ELASTIC, Job, cluster_up, local_slurm, mount_tmpfs, rank_pids, remount_tmpfs,
+    seconds_until_done, signal_rank, slurm, train_here, unmount_tmpfs)
 
 NAME = "faults"
 BATCH = 8  # configs/gpt_tiny.yaml's train_batch_size
@@ -354,10 +354,7 @@ def run_row(key: str, t: Trial, reference: list[str], limit: int) -> dict:
 
 def reference_run(folder: Path, steps: int) -> tuple[list[str], int]:
     """The uninterrupted run's sample digests, step by step, and its largest checkpoint's bytes."""
-    subprocess.run([str(JAXSPEED), "train", TINY, "--cpu-devices", "2", "--output", str(folder),
-                    "--no-progress", *overrides(steps)], cwd=ROOT, env=JOB_ENV,
-                   capture_output=True, text=True, timeout=900, check=True)
-    logged = records((folder / "metrics.jsonl").read_text())
+    logged = train_here(folder, steps, *overrides(steps))
     sizes = [sum(size for size, _ in files.values()) for files in checkpoints(folder).values()]
     return [r["sample_digest"] for r in logged], max(sizes)
 

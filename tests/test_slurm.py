@@ -7,7 +7,6 @@ link, found by the nodes' names as on a cluster.
 
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,22 +16,13 @@ from numerics import assert_close, program_rtol
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from _slurm_jobs import (  # noqa: E402
     ELASTIC, JAXSPEED, ROOT, TINY, Job, cluster_up, local_slurm, records, seconds_until_done,
-    signal_rank, slurm)
+    signal_rank, slurm, train_here)
 
 STEPS = 3
 
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(
     not cluster_up(), reason="no local SLURM cluster up (tools/local_slurm.sh up; make "
     "test-slurm does it)")]
-
-
-def train_here(folder: Path, steps: int, *args: str) -> list[dict]:
-    """The same run in one process with as many devices (2) as the job's first run: its
-    metrics records."""
-    subprocess.run([str(JAXSPEED), "train", TINY, "--cpu-devices", "2", "--steps", str(steps),
-                    "--output", str(folder), "--no-progress", *args], cwd=ROOT,
-                   capture_output=True, text=True, timeout=300, check=True)
-    return records((folder / "metrics.jsonl").read_text())
 
 
 def test_sbatch_trains_like_one_process_with_the_same_devices(tmp_path):

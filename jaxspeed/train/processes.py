@@ -79,8 +79,8 @@ def summed(values: Sequence[int]) -> list[int]:
     halves = np.array([[v >> 32, v & 0xFFFFFFFF] for v in values], dtype=np.uint32)
     seen = np.asarray(multihost_utils.process_allgather(halves)).astype(np.uint64)
     seen = seen.reshape(-1, len(values), 2)
-    return [int(sum((int(hi) << 32) | int(lo) for hi, lo in seen[:, i]) & ((1 << 64) - 1))
-            for i in range(len(values))]
+    # uint64 sums wrap around: modulo 2**64, as the fingerprints add
+    return [int(v) for v in ((seen[..., 0] << np.uint64(32)) | seen[..., 1]).sum(axis=0)]
 
 
 class SampleOrder:
