@@ -172,6 +172,7 @@ def kill(t: Trial) -> float:
     took = seconds_until_done(HUNG)
     t.check("the job ended within 30 s", took < 30)
     t.check("rank 1 named", re.search(r"task 1: Killed", t.after()))
+    t.check("no traceback", "Traceback" not in t.after())
     t.resubmit()
     return took
 
@@ -267,9 +268,8 @@ def corrupt(t: Trial) -> float:
     took = time.monotonic() - start
     lines = [line for line in t.after().splitlines() if "warning:" in line]
     t.check("one warning line", len(lines) == 1)
-    # it names the checkpoint, the array it cannot read and the OCDBT folder (TensorStore's
-    # words), not the data file, whose name is a hash
     t.check("it names the checkpoint", lines and f"checkpoint step {newest} in" in lines[0])
+    t.check("and the truncated file", lines and f"file {victim} is 8 bytes" in lines[0])
     t.check(f"the previous checkpoint (step {previous}) resumed", t.resumed() == previous)
     return took
 

@@ -7,6 +7,7 @@ readable checkpoint left, `jaxspeed sample` on a corrupt checkpoint, and a save 
 import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,14 +77,29 @@ def test_a_truncated_shard_is_one_line_naming_the_step_and_the_array(run, patter
     assert "step 4" in message and str(run / "checkpoints") in message
     assert "TensorStore(" not in message and "'driver'" not in message
     assert "array " in message  # the array that could not be read is named
+    # and a data file (TensorStore names the index; for a chunk, the file of its size)
+    assert re.search(r"/4/state/(ocdbt\.process_\d+/)?d/[0-9a-f]{32}\b", message), message
+
+
+def test_one_torn_file_is_named_exactly(run):
+    files = sorted((run / "checkpoints" / "4" / "state").rglob("ocdbt.*/d/*"))
+    torn = max(files, key=lambda f: f.stat().st_size)  # the largest holds arrays for certain
+    os.truncate(torn, 16)
+    engine = js.initialize(config())
+    with pytest.raises(CheckpointError, match=f"file {torn} is 16 bytes, the read needs bytes "
+                                              r"\d+ to \d+$"):
+        Checkpointer(run / "checkpoints").restore(engine.abstract_state(), step=4)
 
 
 def test_resume_falls_back_past_a_corrupt_newest_checkpoint(run, capsys):
     truncate_data(run / "checkpoints" / "4")
-    record = train(config(), output_dir=run, steps=6, progress=False)
+    record = train(config(), output_dir=run, steps=6, progress=True)
     err = capsys.readouterr().err
     warning = [line for line in err.splitlines() if "warning" in line]
     assert len(warning) == 1 and "step 4" in warning[0] and "step 2" in warning[0], err
+    # the phase's end line says what it restored, not what it set out to
+    assert "restoring step 4 ..." in err and "restoring step 2: done" in err, err
+    assert "restoring step 4: done" not in err, err
     assert record["step"] == 6
     ckpt = Checkpointer(run / "checkpoints")
     assert ckpt.all_steps()[-2:] == [4, 6]  # step 4 again, from step 2, and step 6

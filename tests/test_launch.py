@@ -126,6 +126,50 @@ def test_dying_rank_stops_the_others(tmp_path, env, capsys):
             os.kill(int(pid_file.read_text()), 0)
 
 
+def _tmpfs(folder: Path, size: str) -> bool:
+    """A tmpfs of `size` at `folder` (root only); False when it cannot be mounted."""
+    folder.mkdir(parents=True)
+    if os.geteuid() != 0:
+        return False
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                          capture_output=True)
+    return done.returncode == 0
+
+
+def test_a_save_that_fails_on_one_process_stops_both_at_once(tmp_path, env):
+    """A full disk under 2 processes: one line, both stop, the older checkpoint intact.
+
+    At 1250 KiB the first checkpoint (about 590 KiB) fits and the second's background write
+    fails on process 0 alone (measured); process 1's went through and waited at Orbax's
+    barrier for process 0, and both waited 300 s before jaxspeed agreed on each save."""
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({**TINY, "steps": 12, "checkpoint": {"every_n_steps": 2}}))
+    checkpoints = tmp_path / "A" / "checkpoints"
+    if not _tmpfs(checkpoints, "1250k"):
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        start = time.monotonic()
+        run = subprocess.run(
+            [*CLI, "launch", "--nproc", "2", "--cpu-devices", "4", "--timeout", "150", "--",
+             *CLI, "train", str(config), "--output", str(tmp_path / "A"), "--no-progress"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=200,
+        )
+        elapsed = time.monotonic() - start
+        steps = sorted(p.name for p in checkpoints.iterdir())
+    finally:
+        subprocess.run(["umount", str(checkpoints)], check=False)
+    output = run.stdout + run.stderr
+    assert run.returncode == 2, output[-3000:]
+    assert elapsed < 120, elapsed
+    said = {line.split("] ", 1)[1] for line in output.splitlines()
+            if line.startswith("[rank ") and "cannot save step" in line}
+    assert len(said) == 1, said  # each process that says it, the same line
+    (line,) = said
+    assert "No space left on device" in line and "step 2 is the newest intact one" in line, line
+    assert "Traceback" not in output and "ERROR:absl" not in output, output[-3000:]
+    assert "2" in steps  # the intact one is still there
+
+
 def test_rank_killed_after_initialize(tmp_path, env):
     """A rank killed mid-run (after the start-up barrier) ends the run, named, in bounded time."""
     child = script(tmp_path, "kill9.py", """
@@ -153,6 +197,24 @@ def test_rank_killed_after_initialize(tmp_path, env):
         "[rank 0] devices 0 8 4", "[rank 1] devices 1 8 4"]
     assert "jaxspeed launch: rank 1 was killed by SIGKILL" in err.getvalue()
     assert "stopping the other ranks [0]" in err.getvalue()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_gone_peer_is_one_line(monkeypatch, processes):
+    """What rank 0 of a SLURM job printed as a 50-line traceback when rank 1 was SIGKILLed."""
+    from jaxspeed.train import processes as procs
+
+    seen = ("UNKNOWN: Gloo AllGather failed: [external/xla++third_party_ext+gloo/gloo/transport/"
+            "tcp/pair.cc:547] Connection closed by peer [10.78.0.2]:64194\n(stack of C++ frames)")
+    monkeypatch.setattr(procs.jax, "process_count", lambda: processes)
+    gone = procs.peer_gone(RuntimeError(seen))
+    if processes == 1:
+        assert gone is None  # no other process: a real error, with its traceback
+        return
+    assert str(gone) == ("another process of this run is gone (killed, or its node lost): UNKNOWN: "
+                         "Gloo AllGather failed: Connection closed by peer [10.78.0.2]:64194")
+    assert gone.exit_now  # the CLI does not wait for JAX's shutdown, which waits for the peer
+    assert procs.peer_gone(RuntimeError("INTERNAL: something else")) is None
 
 
 def test_start_up_barrier_times_out(tmp_path, env):

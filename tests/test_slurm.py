@@ -67,7 +67,10 @@ def test_a_killed_rank_ends_the_job_within_30_s_naming_it(tmp_path):
     job = start_training(tmp_path)
     signal_rank(1, signal.SIGKILL)
     assert seconds_until_done(120) < 30
-    assert "n2: task 1: Killed" in job.text()  # srun --kill-on-bad-exit names it
+    text = job.text()
+    assert "n2: task 1: Killed" in text  # srun --kill-on-bad-exit names it
+    # rank 0's collective with the dead rank fails first when srun is slower: one line
+    assert "Traceback" not in text, text[-3000:]
 
 
 def test_a_hung_rank_stops_the_others_within_the_heartbeat_timeout_naming_it(tmp_path):

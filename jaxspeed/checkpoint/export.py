@@ -23,8 +23,8 @@ import orbax.checkpoint as ocp
 from flax import serialization
 
 from jaxspeed.checkpoint import params as params_checkpoint
-from jaxspeed.checkpoint.state import (
-    Checkpointer, CheckpointError, orphaned_reads_quiet, unreadable)
+from jaxspeed.checkpoint.orbax_noise import orphaned_reads_quiet
+from jaxspeed.checkpoint.state import Checkpointer, CheckpointError, unreadable
 from jaxspeed.config import load_config
 from jaxspeed.runtime.mesh import make_mesh
 from jaxspeed.runtime.progress import phase

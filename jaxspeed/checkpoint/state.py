@@ -11,16 +11,15 @@ another in one call, with no conversion step.
 from __future__ import annotations
 
 import re
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import threading
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from jaxspeed.checkpoint.orbax_noise import (
+    failed_write, orphaned_reads_quiet, quiet_storage_errors, storage_reason, torn_file)
 from jaxspeed.errors import JaxspeedError
 from jaxspeed.tree_paths import key_names
 
@@ -41,40 +40,24 @@ class UnreadableCheckpoint(CheckpointError):
         self.step = step
 
 
+class SaveFailedOnAProcess(CheckpointError):
+    """A save failed on a process of a multi-process run, and every process stops.
+
+    The processes whose own writes went through wait for the failed one at Orbax's barrier in
+    a background thread, until Orbax's timeout (300 s). Python would join that thread before
+    it exits, so the CLI ends such a process with `os._exit` once its line is printed
+    (`exit_now`). Nothing is lost: the failed step was never committed, and older checkpoints
+    are intact.
+    """
+
+    exit_now = True
+
+
 #: TensorStore names the array it read as its key in the OCDBT database: `"params.x/0.1"`.
 _ARRAY_KEY = re.compile(r'Error reading "([^"/]+)/')
 _ARRAY_SPEC = re.compile(r"""['"]path['"]: ?['"]([^'"/]+)/['"]""")
 #: Orbax appends the whole TensorStore spec (a JSON dump) to some messages.
 _SPEC_SUFFIX = re.compile(r"\s*\[tensorstore_spec=.*$", re.DOTALL)
-
-
-@contextmanager
-def orphaned_reads_quiet(settle_s: float = 0.25) -> Iterator[None]:
-    """Drops the "Event loop is closed" tracebacks a failed Orbax read leaves behind.
-
-    When a read fails, Orbax closes its event loop while TensorStore still has reads in
-    flight; each one that finishes later calls the closed loop, and Python prints the
-    RuntimeError through `sys.unraisablehook` beside the real error (dozens of tracebacks for
-    one truncated file). Within this context those are dropped; any other unraisable error
-    still goes to the previous hook. On a failure the hook stays `settle_s` longer: the
-    orphaned reads land after the error has left Orbax (within 3 ms of it, measured on a
-    truncated local checkpoint).
-    """
-    previous = sys.unraisablehook
-
-    def hook(unraisable) -> None:
-        closed = unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
-        if not closed:
-            previous(unraisable)
-
-    sys.unraisablehook = hook
-    try:
-        yield
-    except BaseException:
-        time.sleep(settle_s)
-        raise
-    finally:
-        sys.unraisablehook = previous
 
 
 def _innermost(err: BaseException) -> BaseException:
@@ -100,11 +83,12 @@ def unreadable(directory: Path, step: int, err: BaseException) -> UnreadableChec
     arrays = [m.group(1) for text in texts for m in (_ARRAY_KEY.search(text), _ARRAY_SPEC.search(text)) if m]
     root = _innermost(err)
     reason = " ".join(_SPEC_SUFFIX.sub("", str(root)).split())
-    reason = reason if len(reason) <= 400 else reason[:397] + "..."
     array = f" (array {arrays[0]})" if arrays else ""
-    return UnreadableCheckpoint(
-        f"checkpoint step {step} in {directory} cannot be read{array}: "
-        f"{type(root).__name__}: {reason}", step=step)
+    why = torn_file(reason)
+    if why is None:
+        why = f"{type(root).__name__}: " + (reason if len(reason) <= 400 else reason[:397] + "...")
+    return UnreadableCheckpoint(f"checkpoint step {step} in {directory} cannot be read{array}: {why}",
+                                step=step)
 
 
 def _saveable(state):
@@ -147,6 +131,10 @@ class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         self._saving: int | None = None  # the step of the newest save started
+        self._failed: BaseException | None = None  # its error, once its background part failed
+        self._watcher: threading.Thread | None = None  # waits for it (`_watch`)
+        self._abandoned = False  # a save failed elsewhere: stop waiting for ours
+        self._logged = quiet_storage_errors()  # Orbax's failed writes logged before ours
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True
         )
@@ -179,13 +167,52 @@ class Checkpointer:
                 force=True,
             )
         except (OSError, ValueError) as err:  # disk full, read-only, a file for a folder
-            if not _storage_error(err):
+            if storage_reason(err) is None:
                 raise
             # an async save of an earlier step may be the one that failed: Orbax raises its
             # error when the next save waits for it
             raise self._save_failed(step, err) from err
-        self._saving = step
+        self._saving, self._failed = step, None
+        self._watcher = threading.Thread(target=self._watch, name="jaxspeed-save-watch", daemon=True)
+        self._watcher.start()
         return step
+
+    def _watch(self) -> None:
+        """Waits for the save just started, in a daemon thread, and keeps its error: Orbax
+        raises it only when the next save waits, steps later, and on that process alone."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001 - `failure` reports it, whatever it is
+            self._failed = err
+
+    @property
+    def saving(self) -> int | None:
+        """The step of the newest save this checkpointer started (it may still run)."""
+        return self._saving
+
+    @property
+    def in_progress(self) -> bool:
+        """Whether the newest save is still being written (here; it may have failed elsewhere)."""
+        return self._watcher is not None and self._watcher.is_alive() and self.failure() is None
+
+    def failure(self) -> BaseException | None:
+        """The newest save's error if its background part failed (without waiting for it):
+        a `CheckpointError` when the storage refused it, else Orbax's own error; None while it
+        runs or once it succeeded. The loop checks it each step, so every process stops at
+        the next step, not at the next save."""
+        err = self._failed or failed_write(self.directory, since=self._logged)
+        if err is None or isinstance(err, CheckpointError):
+            return err
+        self._failed = err
+        if storage_reason(err) is not None:
+            self._failed = self._save_failed(self._saving, err)
+            self._failed.__cause__ = err
+        return self._failed
+
+    def abandon(self) -> None:
+        """Stops waiting for background saves (`wait`, `close`): one failed on another process,
+        and ours wait at Orbax's barrier for that one until Orbax's timeout."""
+        self._abandoned = True
 
     def _save_failed(self, step: int, err: Exception) -> CheckpointError:
         """One line: the step not saved, why, and the newest checkpoint that is intact."""
@@ -193,13 +220,13 @@ class Checkpointer:
         saved = self.all_steps()
         if self._saving is not None and self._saving not in saved:
             step = self._saving  # the background save failed, not this one
-        done = [s for s in saved if s != step]
-        kept = f"step {done[-1]} is the newest intact one" if done else "no checkpoint was saved before it"
-        if isinstance(err, OSError):
-            why = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
-        else:  # TensorStore's status, through Orbax: its first line names the reason
-            why = " ".join(str(err).split("\n", 1)[0].split())[:300]
-        return CheckpointError(f"cannot save step {step} in {self.directory}: {why} ({kept})")
+        return CheckpointError(
+            f"cannot save step {step} in {self.directory}: {storage_reason(err)} ({self.intact(step)})")
+
+    def intact(self, failed: int) -> str:
+        """Which checkpoint survives a failed save of step `failed`, in words."""
+        done = [s for s in self.all_steps() if s != failed]
+        return f"step {done[-1]} is the newest intact one" if done else "no checkpoint was saved before it"
 
     def restore(self, abstract_state, *, step: int | None = None):
         """Restores into `abstract_state`'s shapes and shardings (any mesh, any ZeRO stage).
@@ -297,23 +324,17 @@ class Checkpointer:
         Raises:
           CheckpointError: the background save failed (disk full, ...).
         """
+        if self._abandoned:
+            return
         try:
             self._manager.wait_until_finished()
         except (OSError, ValueError) as err:
-            if not _storage_error(err):
+            if storage_reason(err) is None:
                 raise
             raise self._save_failed(self._saving, err) from err
 
     def close(self) -> None:
+        if self._abandoned:
+            return
         self._manager.wait_until_finished()
         self._manager.close()
-
-
-#: How TensorStore reports a full or read-only disk through Orbax (a ValueError, not OSError).
-_STORAGE_REASONS = ("No space left on device", "Read-only file system", "Permission denied",
-                    "RESOURCE_EXHAUSTED", "PERMISSION_DENIED")
-
-
-def _storage_error(err: Exception) -> bool:
-    """Whether a save's error is the storage's (disk full, read-only): one line, not a bug."""
-    return isinstance(err, OSError) or any(r in str(err) for r in _STORAGE_REASONS)

@@ -14,6 +14,7 @@ one line, with exit code 130 (during the steps the training loop saves first and
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -92,6 +93,10 @@ def _run(args) -> int:
         saved = getattr(err, "exit_code", None)  # preempted: the checkpoint is saved
         if saved is None:
             print(f"jaxspeed {args.command}: error: {err}", file=sys.stderr)
+            if getattr(err, "exit_now", False):  # threads left waiting: do not join them
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(2)
             return 2
         # srun stops the other ranks (SIGTERM) once one exits: that must not turn their exit
         # code, which says the checkpoint is saved, into 143 while JAX shuts down

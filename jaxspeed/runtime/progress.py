@@ -122,18 +122,27 @@ class Progress:
         self.enabled = False
 
 
+class Phase:
+    """What `phase` yields: `desc` may change while it runs (the end line says the new one)."""
+
+    def __init__(self, desc: str):
+        self.desc = desc
+
+
 @contextmanager
 def phase(desc: str, *, enabled: bool = True, terminal: bool | None = None,
-          stream: IO[str] | None = None, quiet: bool = False) -> Iterator[None]:
+          stream: IO[str] | None = None, quiet: bool = False) -> Iterator[Phase]:
     """Reports a long step that has no count: "desc ...", a heartbeat, then its time.
 
     On a terminal it prints the start and end lines only; elsewhere it also prints
     "desc: still running (Ns)" every `interval()` seconds, so a log shows the process is alive.
     `quiet`: no start line, and the end line only when the step ran past one `interval()`.
+    Yields a `Phase`: set its `desc` when the step turned out to be another (a fallback).
     """
     stream = sys.stderr if stream is None else stream
+    current = Phase(desc)
     if not enabled:
-        yield
+        yield current
         return
     heartbeat = not (is_terminal(stream) if terminal is None else terminal)
     start = time.monotonic()
@@ -141,7 +150,7 @@ def phase(desc: str, *, enabled: bool = True, terminal: bool | None = None,
 
     def beat() -> None:
         while not done.wait(interval()):
-            print(f"{desc}: still running ({time.monotonic() - start:.0f}s)", file=stream, flush=True)
+            print(f"{current.desc}: still running ({time.monotonic() - start:.0f}s)", file=stream, flush=True)
 
     if not quiet:
         print(f"{desc} ...", file=stream, flush=True)
@@ -149,10 +158,10 @@ def phase(desc: str, *, enabled: bool = True, terminal: bool | None = None,
     if thread is not None:
         thread.start()
     try:
-        yield
+        yield current
     finally:
         done.set()
         if thread is not None:
             thread.join()
     if not (quiet and time.monotonic() - start < interval()):
-        print(f"{desc}: done in {time.monotonic() - start:.1f}s", file=stream, flush=True)
+        print(f"{current.desc}: done in {time.monotonic() - start:.1f}s", file=stream, flush=True)

@@ -28,7 +28,9 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
+from jaxspeed.checkpoint.orbax_noise import orphaned_reads_quiet
 from jaxspeed.checkpoint.params import with_checkpoint_model
+from jaxspeed.checkpoint.state import Checkpointer, CheckpointError, SaveFailedOnAProcess
 from jaxspeed.config import Config
 from jaxspeed.data.dataset import TokenDataset
 from jaxspeed.train.engine import Engine, initialize
@@ -38,7 +40,8 @@ from jaxspeed.data.grain_loader import GrainTokenDataset, make_dataset
 from jaxspeed.train.metrics_log import MetricsLog, TrainRecord, last_record
 from jaxspeed.train.resume import (
     check_config, check_steps, readable_meta, restore_readable, resume_point, say_elastic)
-from jaxspeed.train.processes import SampleOrder, agreed, shared_run_folder, stop_on_signals
+from jaxspeed.train.processes import (
+    SampleOrder, agreed, peer_gone, shared_run_folder, stop_on_signals)
 from jaxspeed.cost.flops import model_train_flops
 from jaxspeed.cost.peaks import mfu, peak_flops
 from jaxspeed.runtime.progress import Progress, phase
@@ -154,6 +157,36 @@ def _check_finite(config: Config, metrics: dict[str, float], step: int, ckpt) ->
             f"non-finite {', '.join(f'{k}={v}' for k, v in bad.items())} at step {step}; "
             f"stopping without saving ({where}). Lower optimizer.params.lr or raise gradient_clipping."
         )
+
+
+def _settle(ckpt: Checkpointer, poll_s: float = 0.05) -> None:
+    """Waits until the newest save is written on every process, and stops every process when
+    it failed on any (`_save_failed`). Orbax's own wait would keep a process whose write went
+    through at a barrier for the failed one, until Orbax's timeout (300 s)."""
+    while True:
+        failed = ckpt.failure()
+        running, save_failed = agreed(ckpt.in_progress, failed is not None)
+        if save_failed:
+            raise _save_failed(ckpt, failed)
+        if not running:
+            return
+        time.sleep(poll_s)
+
+
+def _save_failed(ckpt: Checkpointer, failed: BaseException | None) -> BaseException:
+    """What a process raises once a save failed on any process (`Checkpointer.failure`): its
+    own error, or a line saying that another process's failed. The processes whose writes
+    went through wait for the failed one at Orbax's barrier: they stop waiting (`abandon`),
+    and with several processes the error is a `SaveFailedOnAProcess`, which the CLI ends at
+    once instead of joining Orbax's threads."""
+    ckpt.abandon()
+    if jax.process_count() == 1 or not (failed is None or isinstance(failed, CheckpointError)):
+        return failed  # one process, or a bug in the save: its traceback
+    if failed is not None:
+        return SaveFailedOnAProcess(str(failed))
+    step = ckpt.saving
+    return SaveFailedOnAProcess(f"stopped: another process could not save step {step} in "
+                                f"{ckpt.directory} (its line says why; {ckpt.intact(step)})")
 
 
 def _check_fits(engine: Engine, *, force: bool, show: bool) -> None:
@@ -304,10 +337,12 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
     with _no_empty_folder(ckpt_dir):  # Ctrl-C or an error before the first save
         ckpt = engine.checkpointer(ckpt_dir)
         starting = f"restoring step {latest}" if latest is not None else "initializing the state"
-        with phase(starting, enabled=show):
+        with phase(starting, enabled=show) as restoring:
             state, saved_meta = _restore_or_init(engine, config, ckpt, latest,
                                                  by_hand=resume_step is not None, show=is_main)
-        start = int(jax.device_get(state.step))
+            start = int(jax.device_get(state.step))
+            if latest is not None and start != latest:  # it fell back to an older one
+                restoring.desc = f"restoring step {start}"
         if is_main:
             say_elastic(saved_meta, step=start, processes=jax.process_count(),
                         devices=engine.mesh.size, sizes=engine.batch_sizes)
@@ -329,7 +364,8 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
         first_time = last_time = time.perf_counter()
         last_step, last_save = start, time.monotonic()
         try:
-            with stop_on_signals(signal.SIGINT, received=stop):  # before the loop, Ctrl-C quits
+            # before the loop, Ctrl-C quits; a failed save's orphaned writes print nothing
+            with stop_on_signals(signal.SIGINT, received=stop), orphaned_reads_quiet():
                 for step in range(start, steps):
                     batch = next(batches)
                     order.add(batch)
@@ -346,10 +382,14 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
                     done = step + 1
                     logging_now = done % every == 0 or done == steps
                     sampling_now = sampler is not None and done % config.logging.sample_every_n_steps == 0
-                    stopping, clock_due = agreed(
+                    failed = ckpt.failure()  # the last save's background part, here
+                    stopping, clock_due, save_failed = agreed(
                         stop["signum"] is not None,
                         bool(save_seconds) and time.monotonic() - last_save >= save_seconds,
+                        failed is not None,
                     )
+                    if save_failed:
+                        raise _save_failed(ckpt, failed)
                     saving_now = (bool(save_every) and done % save_every == 0) or clock_due
                     final = done == steps or stopping
                     if not (logging_now or saving_now or sampling_now or final):
@@ -377,12 +417,20 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
                             tqdm.write(f"sample @ step {done}: {text!r}")
                     if saving_now or final:
                         meta = _data_meta(engine, batches, done, order)
+                        _settle(ckpt)  # Orbax's own wait blocks when another process failed
                         engine.save(state, directory=ckpt.directory, meta=meta)
                         last_save = time.monotonic()
+                        if final:
+                            _settle(ckpt)
                     if logging_now:
                         last_time, last_step = time.perf_counter(), done
                     if stopping:
                         raise TrainingInterrupted(stop["signum"] or signal.SIGTERM, done, ckpt.directory)
+        except jax.errors.JaxRuntimeError as err:
+            if (gone := peer_gone(err)) is None:
+                raise
+            ckpt.abandon()  # a save in flight waits for the gone process
+            raise gone from err
         finally:
             batches.close()  # a Grain iterator stops its read threads (a generator just ends)
             if bar is not None:

@@ -1,8 +1,10 @@
 """What the processes of one run agree on: a signal seen or a save due at the same step, the
-run folder that process 0 takes for all of them, and the digest of the samples trained on."""
+run folder that process 0 takes for all of them, and the digest of the samples trained on; and
+what one says when another is gone."""
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 from collections.abc import Mapping, Sequence
@@ -46,6 +48,29 @@ def agreed(*flags: bool) -> tuple[bool, ...]:
 
     seen = multihost_utils.process_allgather(np.array(flags, dtype=bool))
     return tuple(bool(x) for x in np.asarray(seen).reshape(-1, len(flags)).any(axis=0))
+
+
+#: What a collective says when the process at its other end is gone (Gloo's TCP pairs).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+#: The C++ source location Gloo puts in its message.
+_SOURCE = re.compile(r"\[[^\]]*\.(cc|h):\d+\] ")
+
+
+class PeerGone(JaxspeedError):
+    """A collective failed because another process is gone (killed, or its node lost). The
+    scheduler or `jaxspeed launch` names that rank; this process stops at once (`exit_now`:
+    JAX's shutdown would wait for the dead one)."""
+
+    exit_now = True
+
+
+def peer_gone(err: Exception) -> PeerGone | None:
+    """One line for a collective's error that says another process is gone, else None."""
+    text = str(err)
+    if jax.process_count() == 1 or not any(words in text for words in _PEER_GONE):
+        return None
+    first = " ".join(_SOURCE.sub("", text.split("\n", 1)[0]).split())
+    return PeerGone(f"another process of this run is gone (killed, or its node lost): {first}")
 
 
 @contextmanager
