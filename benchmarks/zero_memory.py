@@ -29,6 +29,11 @@ Stage 3 runs twice: gathering each layer's params at each use (`max_live_paramet
 gathering the whole model once per step (the default for a model within
 `zero_optimization.max_live_parameters`). The model state is the same; the step peaks differ.
 
+ZeRO-3 runs on two paths (`zero_optimization.collectives`): the sharding XLA partitions, and the
+collectives written in the step (the path across hosts). Their compiled step peaks are compared
+per device, gathered layer by layer and once per step, on one host and on 2 hosts emulated on
+the 8 devices (`mesh.hosts`); the target is explicit <= 1.05x the sharding path.
+
 Headline: stage 3 (gathered once), ratio = ideal / measured model state (1.0 = every byte of
 state sharded 8 ways).
 """
@@ -92,18 +97,20 @@ def shard_bytes(tree, device) -> int:
     )
 
 
-def bench_config(model: dict, *, stage: int, seq_len: int, layer_by_layer: bool = False):
+def bench_config(model: dict, *, stage: int, seq_len: int, layer_by_layer: bool = False,
+                 collectives: str = "auto", hosts: int = 1):
     """The benchmark's config: mesh data=8, micro 1, AdamW, bf16 compute, ZeRO `stage`;
-    `layer_by_layer`: stage 3 gathers each layer at each use (`max_live_parameters: 0`)."""
+    `layer_by_layer`: stage 3 gathers each layer at each use (`max_live_parameters: 0`);
+    `collectives` and `hosts` (emulated on the 8 devices) pick stage 3's path."""
     from jaxspeed.config import load_config
 
     return load_config({
-        "mesh": {"pipe": 1, "data": -1, "expert": 1, "tensor": 1},
+        "mesh": {"pipe": 1, "data": -1, "expert": 1, "tensor": 1, "hosts": hosts},
         "train_micro_batch_size_per_device": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": stage,
+        "zero_optimization": {"stage": stage, "collectives": collectives,
                               **({"max_live_parameters": 0} if layer_by_layer else {})},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
         "model": {"type": "gpt", **model},
@@ -144,6 +151,31 @@ def measure(stage: int, model: dict, *, seq_len: int, layer_by_layer: bool = Fal
     return row
 
 
+#: ZeRO-3's two paths (`zero_optimization.collectives`): the sharding XLA partitions, and the
+#: collectives written in the step.
+PATHS = ("compiler", "explicit")
+
+
+def path_peaks(model: dict, *, seq_len: int, quick: bool = False) -> list[dict]:
+    """ZeRO-3's compiled step peak on each path, gathered layer by layer and once per step, on
+    one host and on 2 emulated hosts: one row per case, with both paths' bytes. `quick`: the
+    case across hosts, layer by layer, alone (two compiles, for the tests)."""
+    from jaxspeed.train.engine import initialize
+    from jaxspeed.cost.memory import compiled_stats, step_peak
+
+    rows = []
+    for hosts in (2,) if quick else (1, 2):
+        for layer_by_layer in (True,) if quick else (True, False):
+            peaks = {}
+            for path in PATHS:
+                config = bench_config(model, stage=3, seq_len=seq_len,
+                                      layer_by_layer=layer_by_layer, collectives=path, hosts=hosts)
+                peaks[path] = step_peak(compiled_stats(initialize(config).compile_train_step()))
+            rows.append({"hosts": hosts, "gather": "layer by layer" if layer_by_layer else "once per step",
+                         "peaks": peaks})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model (seconds, for tests)")
@@ -154,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     seq_len = model["max_seq_len"]
     start = time.perf_counter()
     rows = [measure(s, model, seq_len=seq_len, layer_by_layer=lbl) for s, lbl in STAGES]
+    paths = path_peaks(model, seq_len=seq_len, quick=args.quick)
     wall_s = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     psi, n = rows[0]["n_params"], rows[0]["devices"]
@@ -195,7 +228,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("Stage 3 twice: its params gathered layer by layer at each use, and (the headline) the "
           "whole model gathered once per step, as zero_optimization.max_live_parameters allows.")
-    print(f"{wall_s:.1f} s for {len(rows)} runs; process peak RSS {rss / 2**30:.2f} GiB.")
+    print()
+    print("ZeRO-3's two paths, compiled step peak per device (MiB): the sharding XLA partitions "
+          "(collectives: compiler) and the collectives written in the step (explicit); hosts "
+          "emulated on the 8 devices (mesh.hosts). Target: explicit <= 1.05x.")
+    _common.print_table(
+        ["hosts", "stage 3 gathers", "sharding path", "explicit", "explicit / sharding"],
+        [[r["hosts"], r["gather"], mib(r["peaks"]["compiler"]), mib(r["peaks"]["explicit"]),
+          r["peaks"]["explicit"] / r["peaks"]["compiler"]] for r in paths],
+    )
+    print(f"{wall_s:.1f} s for {len(rows)} runs and {2 * len(paths)} compiles; "
+          f"process peak RSS {rss / 2**30:.2f} GiB.")
+    for r in paths:
+        _common.print_json(_common.result(
+            NAME, case=(f"paths hosts={r['hosts']} gather={r['gather'].replace(' ', '_')} "
+                        f"params={psi} devices={n}"),
+            jaxspeed=mib(r["peaks"]["explicit"]), baseline=mib(r["peaks"]["compiler"]),
+            unit="MiB/device (step peak)", ratio=_common.ratio(r["peaks"]["compiler"], r["peaks"]["explicit"]),
+            stage3_gather=None, hosts=r["hosts"], gather=r["gather"], source={"step_peak": "compiled"},
+        ))
     for r in rows:
         _common.print_json(_result(r, psi, n, model, rss))
     return 0

@@ -71,7 +71,8 @@ def test_quick_run_prints_a_result_line(name):
 def test_zero_memory_stage3_shards_all_model_state():
     """Memory is deterministic (shapes and shardings), so its structure can be checked."""
     results = run_quick("zero_memory")
-    by_stage = {int(obj["case"].split()[0].removeprefix("stage=")): obj for obj in results}
+    by_stage = {int(obj["case"].split()[0].removeprefix("stage=")): obj for obj in results
+                if obj["case"].startswith("stage=")}
     assert sorted(by_stage) == [0, 1, 2, 3]
     state = {s: obj["bytes"]["model_state"] for s, obj in by_stage.items()}
     devices = by_stage[3]["devices"]
@@ -83,6 +84,16 @@ def test_zero_memory_stage3_shards_all_model_state():
     source = by_stage[3]["source"]
     assert (source["params"], source["opt_state"], source["grads"]) == ("arrays", "arrays", "model")
     assert source["step_peak"] == "compiled"
+
+
+@pytest.mark.slow
+def test_zero_memory_compares_zero3s_two_paths_on_one_and_two_hosts():
+    paths = [obj for obj in run_quick("zero_memory") if obj["case"].startswith("paths ")]
+    # --quick: across 2 emulated hosts, layer by layer (the full run adds 1 host and once per step)
+    assert [(obj["hosts"], obj["gather"]) for obj in paths] == [(2, "layer by layer")]
+    for obj in paths:  # explicit (jaxspeed) against the sharding path (baseline), both compiled
+        assert obj["jaxspeed"] > 0 and obj["baseline"] > 0
+        assert obj["ratio"] == pytest.approx(obj["baseline"] / obj["jaxspeed"], rel=1e-2)
 
 
 @pytest.mark.slow
@@ -101,6 +112,8 @@ def test_zero_memory_step_peak_holds_the_model_state():
     """The compiled step's peak (state, new state, scratch with the grads) ≥ the model state,
     and its arguments are the measured params and optimizer state (+ batch, step, rng)."""
     for obj in run_quick("zero_memory"):
+        if not obj["case"].startswith("stage="):
+            continue  # the paths' lines: compiled step peaks alone
         nbytes, compiled = obj["bytes"], obj["compiled"]
         peak = compiled["argument"] + compiled["output"] - compiled["alias"] + compiled["temp"]
         assert nbytes["step_peak"] == peak

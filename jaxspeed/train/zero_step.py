@@ -256,8 +256,9 @@ def runs_explicit(config, mesh: Mesh) -> bool:
 
     `collectives: auto` runs them where the mesh spans hosts (`spans_hosts`) or a ZeRO++
     switch is on, and keeps the sharding path inside one host, where it measured faster on CPU
-    (13-27% on `throughput.py`'s fsdp8) and lighter layer by layer (441 against 825 MiB of step
-    peak on `zero_memory.py`'s 100M model; benchmarks/README). `explicit` and the ZeRO++
+    (13-27% on `throughput.py`'s fsdp8 on 2026-12-04) and lighter (403 against 431 MiB of step
+    peak layer by layer, 676 against 942 once per step, on `zero_memory.py`'s 100M model;
+    benchmarks/README). `explicit` and the ZeRO++
     switches refuse (one `ConfigError`) where they cannot run: a pipeline, a sequence or tensor
     axis, offload. With an `expert` axis the MoE layers exchange tokens inside the step's map
     (`jaxspeed.moe.parallel.moe_ffn`).
