@@ -173,3 +173,12 @@ def test_a_data_axis_across_two_processes_trains_like_the_sharding_path(  # noqa
         tiny_config(Z + "stage=3", *overrides[:2], Z + "collectives=compiler"), dataset, 2)
     np.testing.assert_allclose(losses, base_losses, rtol=RHO)
     assert_adam_params_close(state.params, base.params, steps=2, lr=LR, rho=RHO)
+
+
+def test_a_groups_gradients_reduce_in_runs_of_whole_leaves():
+    """With a bucket, consecutive leaves up to the bucket reduce-scatter together, a larger one
+    alone (then in pieces): the step never holds every leaf's fp32 gradient at once."""
+    assert zc._buckets([144, 80, 32], None) == [[0, 1, 2]]
+    assert zc._buckets([144, 80, 32], 40) == [[0], [1], [2]]
+    assert zc._buckets([10, 20, 15, 5, 50], 40) == [[0, 1], [2, 3], [4]]
+    assert zc._buckets([10, 30, 40], 40) == [[0, 1], [2]]
