@@ -139,8 +139,8 @@ def _tmpfs(folder: Path, size: str) -> bool:
 def test_a_save_that_fails_on_one_process_stops_both_at_once(tmp_path, env):
     """A full disk under 2 processes: one line, both stop, the older checkpoint intact.
 
-    At 1250 KiB the first checkpoint (about 590 KiB) fits and the second's background write
-    fails on process 0 alone (measured); process 1's went through and waited at Orbax's
+    At 1250 KiB one or two checkpoints (about 590 KiB each) fit, and the next one's background
+    write failed on process 0 alone (seen); process 1's went through and waited at Orbax's
     barrier for process 0, and both waited 300 s before jaxspeed agreed on each save."""
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps({**TINY, "steps": 12, "checkpoint": {"every_n_steps": 2}}))
@@ -165,9 +165,12 @@ def test_a_save_that_fails_on_one_process_stops_both_at_once(tmp_path, env):
             if line.startswith("[rank ") and "cannot save step" in line}
     assert len(said) == 1, said  # each process that says it, the same line
     (line,) = said
-    assert "No space left on device" in line and "step 2 is the newest intact one" in line, line
+    # which save fails first depends on how well each checkpoint compresses (2 or 3 fit)
+    match = re.search(r"cannot save step (\d+) in .*: No space left on device "
+                      r"\(step (\d+) is the newest intact one\)", line)
+    assert match and int(match[1]) == int(match[2]) + 2, line
     assert "Traceback" not in output and "ERROR:absl" not in output, output[-3000:]
-    assert "2" in steps  # the intact one is still there
+    assert match[2] in steps  # the intact one is still there
 
 
 def test_rank_killed_after_initialize(tmp_path, env):

@@ -30,20 +30,17 @@ from tqdm import tqdm
 
 from jaxspeed.checkpoint.orbax_noise import orphaned_reads_quiet
 from jaxspeed.checkpoint.params import with_checkpoint_model
-from jaxspeed.checkpoint.state import Checkpointer, CheckpointError, SaveFailedOnAProcess
 from jaxspeed.config import Config
 from jaxspeed.data.dataset import TokenDataset
 from jaxspeed.train.engine import Engine, initialize
 from jaxspeed.errors import REQUEUE_EXIT_CODE, ConfigError, JaxspeedError
 from jaxspeed.cost.fit import DoesNotFit, device_memory, engine_verdict
 from jaxspeed.data.grain_loader import GrainTokenDataset, make_dataset
-from jaxspeed.train.metrics_log import MetricsLog, TrainRecord, last_record
+from jaxspeed.train.metrics_log import MetricsLog, Throughput, TrainRecord, last_record
 from jaxspeed.train.resume import (
     check_config, check_steps, readable_meta, restore_readable, resume_point, say_elastic)
 from jaxspeed.train.processes import (
-    SampleOrder, agreed, peer_gone, shared_run_folder, stop_on_signals)
-from jaxspeed.cost.flops import model_train_flops
-from jaxspeed.cost.peaks import mfu, peak_flops
+    SampleOrder, agreed, peer_gone, save_failed, settle_save, shared_run_folder, stop_on_signals)
 from jaxspeed.runtime.progress import Progress, phase
 
 
@@ -159,36 +156,6 @@ def _check_finite(config: Config, metrics: dict[str, float], step: int, ckpt) ->
         )
 
 
-def _settle(ckpt: Checkpointer, poll_s: float = 0.05) -> None:
-    """Waits until the newest save is written on every process, and stops every process when
-    it failed on any (`_save_failed`). Orbax's own wait would keep a process whose write went
-    through at a barrier for the failed one, until Orbax's timeout (300 s)."""
-    while True:
-        failed = ckpt.failure()
-        running, save_failed = agreed(ckpt.in_progress, failed is not None)
-        if save_failed:
-            raise _save_failed(ckpt, failed)
-        if not running:
-            return
-        time.sleep(poll_s)
-
-
-def _save_failed(ckpt: Checkpointer, failed: BaseException | None) -> BaseException:
-    """What a process raises once a save failed on any process (`Checkpointer.failure`): its
-    own error, or a line saying that another process's failed. The processes whose writes
-    went through wait for the failed one at Orbax's barrier: they stop waiting (`abandon`),
-    and with several processes the error is a `SaveFailedOnAProcess`, which the CLI ends at
-    once instead of joining Orbax's threads."""
-    ckpt.abandon()
-    if jax.process_count() == 1 or not (failed is None or isinstance(failed, CheckpointError)):
-        return failed  # one process, or a bug in the save: its traceback
-    if failed is not None:
-        return SaveFailedOnAProcess(str(failed))
-    step = ckpt.saving
-    return SaveFailedOnAProcess(f"stopped: another process could not save step {step} in "
-                                f"{ckpt.directory} (its line says why; {ckpt.intact(step)})")
-
-
 def _check_fits(engine: Engine, *, force: bool, show: bool) -> None:
     """Refuses a plan whose compiled step does not fit the device memory (unless `force`)."""
     budget = device_memory(engine.config)
@@ -201,36 +168,6 @@ def _check_fits(engine: Engine, *, force: bool, show: bool) -> None:
     if not force:
         raise DoesNotFit(f"{verdict.message()}\n(--force starts anyway)")
     print(f"jaxspeed train: warning: {verdict.fit.describe()}; starting anyway (--force)", file=sys.stderr)
-
-
-class _Throughput:
-    """tokens/s, model TFLOP/s per device, and MFU and HFU when the device's peak is known.
-
-    Model FLOPs: `model_train_flops` of the reference GPT (`train` always runs it);
-    hardware FLOPs: the step's traced matmuls, remat's recomputed forward included.
-    """
-
-    def __init__(self, engine: Engine, tokens_per_step: int):
-        config = engine.config
-        self.tokens_per_step = tokens_per_step
-        model_flops = model_train_flops(config.model, tokens=tokens_per_step,
-                                        seq_len=config.data.seq_len, param_count=engine.param_count)
-        self.model_flops_per_device = model_flops / engine.mesh.size
-        self.hardware_flops_per_device = engine.step_flops() / engine.mesh.size
-        device = engine.mesh.devices.flat[0]
-        self.peak = peak_flops(device.device_kind, config.hardware.peak_tflops)
-
-    def record(self, steps: int, seconds: float) -> dict[str, float]:
-        out = {
-            "tokens_per_second": self.tokens_per_step * steps / seconds,
-            "tflops_per_device": self.model_flops_per_device * steps / seconds / 1e12,
-        }
-        pairs = (("mfu", self.model_flops_per_device), ("hfu", self.hardware_flops_per_device))
-        for key, flops in pairs:
-            utilisation = mfu(flops * steps, seconds, self.peak)
-            if utilisation is not None:
-                out[key] = utilisation
-        return out
 
 
 def _restore_or_init(engine: Engine, config: Config, ckpt, latest: int | None, *,
@@ -357,7 +294,7 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
         save_seconds = config.checkpoint.every_n_minutes * 60
         eval_every = config.logging.eval_every_n_steps
         with phase("counting the step's FLOPs", enabled=show):
-            throughput = _Throughput(engine, engine.batch_sizes.train_batch_size * config.data.seq_len)
+            throughput = Throughput(engine, engine.batch_sizes.train_batch_size * config.data.seq_len)
         bar: Progress | None = None
         record: TrainRecord = TrainRecord(step=start)
         sampler = _sampler(engine) if config.logging.sample_every_n_steps else None
@@ -383,13 +320,13 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
                     logging_now = done % every == 0 or done == steps
                     sampling_now = sampler is not None and done % config.logging.sample_every_n_steps == 0
                     failed = ckpt.failure()  # the last save's background part, here
-                    stopping, clock_due, save_failed = agreed(
+                    stopping, clock_due, any_failed = agreed(
                         stop["signum"] is not None,
                         bool(save_seconds) and time.monotonic() - last_save >= save_seconds,
                         failed is not None,
                     )
-                    if save_failed:
-                        raise _save_failed(ckpt, failed)
+                    if any_failed:
+                        raise save_failed(ckpt, failed)
                     saving_now = (bool(save_every) and done % save_every == 0) or clock_due
                     final = done == steps or stopping
                     if not (logging_now or saving_now or sampling_now or final):
@@ -417,11 +354,11 @@ def _train(config: Config, output_dir: Path, steps: int, *, is_main: bool, show:
                             tqdm.write(f"sample @ step {done}: {text!r}")
                     if saving_now or final:
                         meta = _data_meta(engine, batches, done, order)
-                        _settle(ckpt)  # Orbax's own wait blocks when another process failed
+                        settle_save(ckpt)  # Orbax's own wait blocks when another process failed
                         engine.save(state, directory=ckpt.directory, meta=meta)
                         last_save = time.monotonic()
                         if final:
-                            _settle(ckpt)
+                            settle_save(ckpt)
                     if logging_now:
                         last_time, last_step = time.perf_counter(), done
                     if stopping:

@@ -1,11 +1,19 @@
 """Where a run's metrics go: `metrics.jsonl` (one JSON object per logged step, a
-`TrainRecord`) and TensorBoard."""
+`TrainRecord`) and TensorBoard; the rates a record carries (`Throughput`)."""
+
+from __future__ import annotations
 
 import json
 import math
 import os
 from pathlib import Path
-from typing import Any, NotRequired, Required, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, Required, TypedDict
+
+from jaxspeed.cost.flops import model_train_flops
+from jaxspeed.cost.peaks import mfu, peak_flops
+
+if TYPE_CHECKING:
+    from jaxspeed.train.engine import Engine
 
 
 class TrainRecord(TypedDict, total=False):
@@ -155,3 +163,33 @@ def last_record(out_dir: str | Path, *, step: int | None = None) -> TrainRecord 
         if isinstance(record, dict) and (step is None or record.get("step") == step):
             return record
     return None
+
+
+class Throughput:
+    """tokens/s, model TFLOP/s per device, and MFU and HFU when the device's peak is known.
+
+    Model FLOPs: `model_train_flops` of the reference GPT (`train` always runs it);
+    hardware FLOPs: the step's traced matmuls, remat's recomputed forward included.
+    """
+
+    def __init__(self, engine: Engine, tokens_per_step: int):
+        config = engine.config
+        self.tokens_per_step = tokens_per_step
+        model_flops = model_train_flops(config.model, tokens=tokens_per_step,
+                                        seq_len=config.data.seq_len, param_count=engine.param_count)
+        self.model_flops_per_device = model_flops / engine.mesh.size
+        self.hardware_flops_per_device = engine.step_flops() / engine.mesh.size
+        device = engine.mesh.devices.flat[0]
+        self.peak = peak_flops(device.device_kind, config.hardware.peak_tflops)
+
+    def record(self, steps: int, seconds: float) -> dict[str, float]:
+        out = {
+            "tokens_per_second": self.tokens_per_step * steps / seconds,
+            "tflops_per_device": self.model_flops_per_device * steps / seconds / 1e12,
+        }
+        pairs = (("mfu", self.model_flops_per_device), ("hfu", self.hardware_flops_per_device))
+        for key, flops in pairs:
+            utilisation = mfu(flops * steps, seconds, self.peak)
+            if utilisation is not None:
+                out[key] = utilisation
+        return out

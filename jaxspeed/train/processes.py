@@ -1,12 +1,13 @@
-"""What the processes of one run agree on: a signal seen or a save due at the same step, the
-run folder that process 0 takes for all of them, and the digest of the samples trained on; and
-what one says when another is gone."""
+"""What the processes of one run agree on: a signal seen or a save due at the same step, a save
+written or failed, the run folder that process 0 takes for all of them, and the digest of the
+samples trained on; and what one says when another is gone."""
 
 from __future__ import annotations
 
 import re
 import signal
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxspeed.checkpoint.state import Checkpointer, CheckpointError, SaveFailedOnAProcess
 from jaxspeed.data.sample_digest import START, batch_fingerprint, chained
 from jaxspeed.errors import JaxspeedError
 from jaxspeed.train.run_dir import run_folder
@@ -139,3 +141,33 @@ class SampleOrder:
             self._digest = chained(self._digest, self._step, fingerprint)
         self._pending.clear()
         return self._digest
+
+
+def settle_save(ckpt: Checkpointer, poll_s: float = 0.05) -> None:
+    """Waits until the newest save is written on every process, and stops every process when
+    it failed on any (`save_failed`). Orbax's own wait would keep a process whose write went
+    through at a barrier for the failed one, until Orbax's timeout (300 s)."""
+    while True:
+        failed = ckpt.failure()
+        running, save_failed = agreed(ckpt.in_progress, failed is not None)
+        if save_failed:
+            raise save_failed(ckpt, failed)
+        if not running:
+            return
+        time.sleep(poll_s)
+
+
+def save_failed(ckpt: Checkpointer, failed: BaseException | None) -> BaseException:
+    """What a process raises once a save failed on any process (`Checkpointer.failure`): its
+    own error, or a line saying that another process's failed. The processes whose writes
+    went through wait for the failed one at Orbax's barrier: they stop waiting (`abandon`),
+    and with several processes the error is a `SaveFailedOnAProcess`, which the CLI ends at
+    once instead of joining Orbax's threads."""
+    ckpt.abandon()
+    if jax.process_count() == 1 or not (failed is None or isinstance(failed, CheckpointError)):
+        return failed  # one process, or a bug in the save: its traceback
+    if failed is not None:
+        return SaveFailedOnAProcess(str(failed))
+    step = ckpt.saving
+    return SaveFailedOnAProcess(f"stopped: another process could not save step {step} in "
+                                f"{ckpt.directory} (its line says why; {ckpt.intact(step)})")
