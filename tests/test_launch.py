@@ -220,6 +220,44 @@ def test_a_gone_peer_is_one_line(monkeypatch, processes):
     assert procs.peer_gone(RuntimeError("INTERNAL: something else")) is None
 
 
+class _Saving:
+    """A checkpointer whose newest save (step 4) is still running here, or failed here."""
+
+    def __init__(self, failed=None):
+        self.in_progress, self.saving, self.directory = failed is None, 4, Path("/ckpt")
+        self._failed, self.abandoned = failed, False
+
+    def failure(self):
+        return self._failed
+
+    def abandon(self):
+        self.abandoned = True
+
+    def intact(self, step):
+        return "step 2 is the newest intact one"
+
+
+@pytest.mark.parametrize("here", [True, False])
+def test_settle_save_stops_every_process_when_one_failed(monkeypatch, here):
+    """Before a save, a failure of the last one on any process stops this one with a line.
+    (Seen: a local name shadowed `save_failed`, so this raised a TypeError, and the loop's
+    final wait then hung at Orbax's barrier until `jaxspeed launch` timed out.)"""
+    from jaxspeed.checkpoint.state import CheckpointError, SaveFailedOnAProcess
+    from jaxspeed.train import processes as procs
+
+    reason = "cannot save step 4 in /ckpt: No space left on device (step 2 is the newest intact one)"
+    ckpt = _Saving(CheckpointError(reason) if here else None)
+    monkeypatch.setattr(procs.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(procs, "agreed", lambda *flags: (True, True))  # the other one failed
+    with pytest.raises(SaveFailedOnAProcess) as raised:
+        procs.settle_save(ckpt, poll_s=0)
+    assert ckpt.abandoned  # its own write waits at Orbax's barrier for the failed one
+    assert raised.value.exit_now
+    assert str(raised.value) == reason if here else str(raised.value) == (
+        "stopped: another process could not save step 4 in /ckpt (its line says why; "
+        "step 2 is the newest intact one)")
+
+
 def test_start_up_barrier_times_out(tmp_path, env):
     child = script(tmp_path, "late.py", """
         import os, time

@@ -149,8 +149,8 @@ def settle_save(ckpt: Checkpointer, poll_s: float = 0.05) -> None:
     through at a barrier for the failed one, until Orbax's timeout (300 s)."""
     while True:
         failed = ckpt.failure()
-        running, save_failed = agreed(ckpt.in_progress, failed is not None)
-        if save_failed:
+        running, failed_anywhere = agreed(ckpt.in_progress, failed is not None)
+        if failed_anywhere:
             raise save_failed(ckpt, failed)
         if not running:
             return
