@@ -59,6 +59,7 @@ def check_result(obj: dict, name: str) -> None:
     [
         "zero_memory", "overhead", "offload_capacity", "sparse_attention",
         "onebit_comm", "onebit_convergence", "input_pipeline", "auto_plan", "fp8_convergence",
+        "zero_paths",
     ],
 )
 def test_quick_run_prints_a_result_line(name):

@@ -11,11 +11,14 @@ to `comm`. Bytes are per device in the profiler's full-buffer convention
   once per step (AdamW, Adam, Lamb, ... and the 1-bit optimizers before their freeze).
 - **ZeRO-1/2**: fp32 gradient reduce-scatter and fp32 param all-gather over the ZeRO axes
   (`data` before `host`, `jaxspeed.runtime.mesh.ZERO_AXES`), once per step.
-- **ZeRO-3** (the explicit step): per micro-step, the params gathered in the compute dtype for
-  the forward pass and their fp32 gradient reduce-scattered: in full precision one collective
-  a layer (and one for the rest), or one a step; quantized, one a leaf. A model larger than
-  `zero_optimization.max_live_parameters` is gathered layer by layer, and again in the
-  backward pass when remat recomputes the layers; a smaller one once.
+- **ZeRO-3** (the explicit step): the params gathered in the compute dtype and their fp32
+  gradient reduce-scattered per micro-step: in full precision one collective a layer (and one
+  for the rest), or one a step; quantized, one a leaf. A model larger than
+  `zero_optimization.max_live_parameters` is gathered layer by layer in each micro-step, and
+  again in the backward pass (its matrices; its norms too when they move in one buffer with
+  them or remat recomputes the layers), the rest once per step; a smaller one once per step,
+  before the micro-steps. `jaxspeed.sharding.zero_traffic` prices a built plan alike, and a
+  test checks that the two agree.
   - qwZ (`zero_quantized_weights`): the gathers move int8 values plus an fp32 scale a block,
     each in its own collective (two latencies).
   - hpZ (`zero_hpz_partition_size` > 1): a gather over `host` alone, then inside the host; for
@@ -63,6 +66,8 @@ ONEBIT_VARIANTS = {"Adam": ("OneBitAdam", "ZeroOneAdam"), "AdamW": ("OneBitAdam"
 #: layers (embedding, final norm): the explicit ZeRO-3 step moves each quantized leaf in its
 #: own collective, which pays its latency (full-precision leaves move together).
 LAYER_LEAVES, OTHER_LEAVES = 8, 2
+#: Of a layer's leaves, its vectors (the two norms' scales).
+LAYER_VECTORS = 2
 #: DeepSpeed's ZeroOneAdam defaults.
 ZERO_ONE_DEFAULTS = {"var_freeze_step": 100000, "var_update_scaler": 16,
                      "local_step_scaler": 32678, "local_step_clipper": 16}
@@ -212,7 +217,7 @@ def step_transfers(
     stage = plan.stage
     if stage == 3:
         out += _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
-                      gloo=gloo)
+                      gloo=gloo, layered_vectors=layers * counts["layer_norm"])
         if experts:
             out += [t._replace(name=t.name.replace("zero3.", "zero3.experts."))
                     for t in _zero3(config, plan, sizes, beside(zero_axes), experts, 0.0,
@@ -249,8 +254,13 @@ def _quantized(name: str, kind: str, elements: float, bits: int, block: int,
 
 
 def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers, *,
-           gloo: bool) -> list[Transfer]:
-    """ZeRO-3's gathers and reduce-scatters (the explicit step's, ZeRO++ switches included)."""
+           gloo: bool, layered_vectors: float = 0.0) -> list[Transfer]:
+    """ZeRO-3's gathers and reduce-scatters (the explicit step's, ZeRO++ switches included),
+    as `jaxspeed.sharding.zero_traffic` prices a built plan's (`tests/test_traffic_models.py`
+    checks the two agree): what is gathered once per step is gathered before the microbatches,
+    once; what is gathered layer by layer, at each use in each microbatch, and again in the
+    backward pass: its matrices always (the vectors of `layered_vectors` too where they move
+    in one buffer with them, or where remat recomputes the layers)."""
     zero = config.zero_optimization
     sw = switches_of(zero, gloo=gloo)._replace(  # the plan's switches, the config's bits, block
         quantized_weights=plan.quantized_weights, hpz=plan.hpz,
@@ -276,9 +286,9 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
         gathered = 1
         for i, axes in enumerate(stages):
             gathered *= math.prod(sizes[a] for a in axes)
-            n = elements * gathered / z / leaves  # one leaf's gathered output, elements
 
-            def gather(name: str, count: float) -> list[Transfer]:
+            def gather(name: str, count: float, elements=elements, leaves=leaves) -> list[Transfer]:
+                n = elements * gathered / z / leaves  # one leaf's gathered output, elements
                 if sw.quantized_weights:
                     return _quantized(name, "all-gather", n, 8, sw.block, axes, count)
                 # fp8_all_gather: the layers' weights (nearly all of their params) cross in FP8
@@ -288,9 +298,13 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
             if per_layer and len(stages) > 1 and i == 0:  # hpZ's secondary copy
                 out += gather(f"zero3.secondary_gather.{label}", leaves)
                 continue
-            out += gather(f"zero3.forward_gather.{label}", leaves * micro)
-            if per_layer and recompute:
+            out += gather(f"zero3.forward_gather.{label}", leaves * (micro if per_layer else 1))
+            if per_layer and (recompute or sw.grouped):
                 out += gather(f"zero3.backward_gather.{label}", leaves * micro)
+            elif per_layer:  # each its own collective, not recomputed: the matrices alone
+                matrices = leaves * (LAYER_LEAVES - LAYER_VECTORS) / LAYER_LEAVES
+                out += gather(f"zero3.backward_gather.{label}", matrices * micro,
+                              elements=elements - layered_vectors, leaves=matrices)
         remaining = elements / leaves
         for axes in reversed(stages):
             for group in ([(a,) for a in axes] if sw.gradient_bits else [axes]):
