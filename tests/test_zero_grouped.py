@@ -182,3 +182,30 @@ def test_a_groups_gradients_reduce_in_runs_of_whole_leaves():
     assert zc._buckets([144, 80, 32], 40) == [[0], [1], [2]]
     assert zc._buckets([10, 20, 15, 5, 50], 40) == [[0, 1], [2, 3], [4]]
     assert zc._buckets([10, 30, 40], 40) == [[0, 1], [2]]
+
+
+@pytest.mark.parametrize("layer_by_layer", [False, True], ids=["once-per-step", "layer-by-layer"])
+def test_runs_of_whole_leaves_keep_the_step_peak_at_the_sharding_paths(layer_by_layer):
+    """In one buffer a group's gathered weights are held twice (the buffer and the leaves
+    cut from it) and its fp32 gradients built at once: once per step, this 0.4M-param GPT
+    peaked 10% over the sharding path. In runs of 16k elements it stays within 5% of it (the
+    issue's bound), and under the one-buffer step. Compiled peaks: deterministic."""
+    from jaxspeed.config import load_config
+    from jaxspeed.cost.memory import compiled_stats, step_peak
+    from jaxspeed.train.engine import initialize
+
+    def peak(collectives, elements):
+        config = load_config({
+            "mesh": {"data": -1}, "train_micro_batch_size_per_device": 1, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "collectives": collectives,
+                                  "max_live_parameters": 0 if layer_by_layer else 10**9,
+                                  "max_reduce_scatter_elements": elements},
+            "model": {"vocab_size": 256, "d_model": 128, "n_layers": 2, "n_heads": 4,
+                      "d_ff": 512, "max_seq_len": 32, "tie_embeddings": True},
+            "data": {"seq_len": 32},
+        })
+        return step_peak(compiled_stats(initialize(config).compile_train_step()))
+
+    sharding, runs, one_buffer = peak("compiler", 2**14), peak("explicit", 2**14), peak("explicit", 2**30)
+    assert runs <= 1.05 * sharding, (runs, sharding)
+    assert runs < one_buffer, (runs, one_buffer)

@@ -26,7 +26,7 @@ from jaxspeed.ops import quantize as qz
 from jaxspeed.sharding import zero_collectives as zc
 from jaxspeed.sharding import zero_traffic as zt
 from jaxspeed.runtime.distributed import over_gloo
-from jaxspeed.train.zero_step import GLOO_BUCKET, step_traffic, switches_of
+from jaxspeed.train.zero_step import GLOO_BUCKET, RUN_BUCKET, step_traffic, switches_of
 from test_engine import GLOBAL_BATCH, LR, RHO, batches, reference_from, tiny_config
 from numerics import assert_adam_params_close
 
@@ -107,20 +107,27 @@ def test_switch_trains_like_zero3(dataset, zero3_losses, name):
 
 def test_bucketed_reduce_scatter_trains_like_zero3_in_pieces(dataset, zero3_losses):
     """`max_reduce_scatter_elements`: the gradients reduce-scattered in pieces of at most 1024
-    elements, the same sums (so the same losses), and more, smaller reduce-scatters."""
+    elements, the same sums (so the same losses), and more, smaller reduce-scatters; the
+    weights gathered in runs of whole leaves, the same bytes in more all-gathers."""
     pieces_config = tiny_config(*HOSTS2, Z + "max_reduce_scatter_elements=1024")
     engine, _, losses = train(pieces_config, dataset, SWITCH_STEPS)
     np.testing.assert_allclose(losses, zero3_losses, rtol=RHO)
     whole = js.initialize(tiny_config(*HOSTS2))
 
-    def scatters(e):
+    def moved(e, kind):
         text = e.compile_train_step().as_text()
         return [op.bytes for op in hlo.collectives(text, num_devices=e.mesh.size)
-                if op.kind == "reduce-scatter"]
+                if op.kind == kind]
 
-    pieces, leaves = scatters(engine), scatters(whole)
+    pieces, leaves = moved(engine, "reduce-scatter"), moved(whole, "reduce-scatter")
     assert max(pieces) <= 4 * 1024 < max(leaves), (max(pieces), max(leaves))
     assert sum(pieces) == sum(leaves) and len(pieces) > len(leaves)
+    runs, groups = moved(engine, "all-gather"), moved(whole, "all-gather")
+    assert len(runs) > len(groups)
+    # the same bytes but a layer's two norms: alone in a run, without remat, the backward
+    # pass does not gather them again (in one buffer with the matrices, it must)
+    norms = 2 * 64 * 4
+    assert sum(runs) == sum(groups) - norms, (sum(runs), sum(groups))
 
 
 # -- the compiled step -------------------------------------------------------------------
@@ -256,14 +263,14 @@ def test_deepspeed_zeropp_keys_map_directly():
         "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
         "zero_hpz_partition_size": 4}})
     zero = cfg.zero_optimization
-    assert switches_of(zero) == zc.Switches(True, 4, True, 256)
+    assert switches_of(zero) == zc.Switches(True, 4, True, 256, bucket=RUN_BUCKET)
 
 
-def test_max_reduce_scatter_elements_auto_cuts_only_over_gloo():
+def test_max_reduce_scatter_elements_auto_cuts_finer_over_gloo():
     zero = load_config({"zero_optimization": {"stage": 3}}).zero_optimization
     assert zero.max_reduce_scatter_elements == "auto"
-    assert switches_of(zero).bucket is None
-    assert switches_of(zero, gloo=True).bucket == GLOO_BUCKET
+    assert switches_of(zero).bucket == RUN_BUCKET
+    assert switches_of(zero, gloo=True).bucket == GLOO_BUCKET < RUN_BUCKET
     fixed = zero.model_copy(update={"max_reduce_scatter_elements": 5000})
     assert switches_of(fixed).bucket == switches_of(fixed, gloo=True).bucket == 5000
     # one process's emulated devices: XLA's in-process collectives, not gloo

@@ -26,9 +26,9 @@ to `comm`. Bytes are per device in the profiler's full-buffer convention
     the intra-host gathers run per use.
   - qgZ (`zero_quantized_gradients`): the reduce-scatter as one all-to-all per axis, inside the
     host first, of int4 (or int8) values plus a scale a block (again two collectives).
-  - A full-precision reduce-scatter of more elements than `max_reduce_scatter_elements`
-    (`auto`: 2**18 over gloo, `gloo=True`) runs in pieces of at most that many, each a
-    collective.
+  - A full-precision gather or reduce-scatter of more elements than
+    `max_reduce_scatter_elements` (`auto`: 2**18 over gloo, `gloo=True`; else 2**22) runs in
+    pieces of at most that many, each a collective.
 - **1-bit Adam / 1-bit LAMB** after `freeze_step`: the compressed all-reduce of the momentum,
   one all-to-all and one all-gather over the batch axes, each of the packed sign bits (1/8 byte
   a parameter, each leaf padded to 8 N) plus fp32 scales; the frozen trust ratios of 1-bit LAMB
@@ -293,7 +293,8 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
                     return _quantized(name, "all-gather", n, 8, sw.block, axes, count)
                 # fp8_all_gather: the layers' weights (nearly all of their params) cross in FP8
                 width = 1 if zero.fp8_all_gather and per_layer else cbytes
-                return [Transfer(name, "all-gather", n * width, axes, count)]
+                runs = math.ceil(n / sw.bucket) if sw.bucket and sw.grouped else 1  # about
+                return [Transfer(name, "all-gather", n * width / runs, axes, count * runs)]
 
             if per_layer and len(stages) > 1 and i == 0:  # hpZ's secondary copy
                 out += gather(f"zero3.secondary_gather.{label}", leaves)

@@ -142,13 +142,15 @@ class ZeroConfig(_Section):
     fp8_all_gather: _Bool = False
     #: Elements per fp32 scale in qwZ / qgZ's block quantization (even).
     quantization_block_size: _PositiveInt = 256
-    #: Stage 3 with explicit collectives: the most elements one full-precision gradient
-    #: reduce-scatter moves. The leaves gathered together (a layer's, or every leaf once a
-    #: step) move as one buffer, which is reduced in pieces of at most this many. `auto`:
-    #: 2**18 (1 MiB of fp32) where the collectives run over gloo (CPU devices in several
+    #: Stage 3 with explicit collectives: the most elements one full-precision gather or
+    #: gradient reduce-scatter moves. The leaves gathered together (a layer's, or every leaf
+    #: once a step) move in runs of whole leaves of at most this many elements, one buffer a
+    #: run (a larger leaf alone, its reduce-scatter in pieces), so the step never holds a
+    #: second copy of every gathered weight or every fp32 gradient at once. `auto`: 2**18
+    #: (1 MiB of fp32) where the collectives run over gloo (CPU devices in several
     #: processes), whose reduce-scatter sends each peer its share as one message that a slow
-    #: TCP link moves below its rate past about a MiB (`jaxspeed.autoplan.gloo`); else one
-    #: reduce-scatter a buffer.
+    #: TCP link moves below its rate past about a MiB (`jaxspeed.autoplan.gloo`); else 2**22
+    #: (`jaxspeed.train.zero_step.RUN_BUCKET`).
     max_reduce_scatter_elements: _PositiveInt | Literal["auto"] = "auto"
 
     @model_validator(mode="after")

@@ -61,9 +61,10 @@ class Switches(NamedTuple):
         of this many bits (4 or 8); None: a full-precision (fp32) `psum_scatter`.
       hpz: hpZ: gather over `host` once per step, then within the host per use.
       block: elements per quantization scale.
-      bucket: the most elements one full-precision reduce-scatter moves (each device's
-        unscattered input); a larger gradient is reduced in pieces of at most this many
-        (`reduce_scatter`). None: one reduce-scatter a gather.
+      bucket: the most elements one full-precision gather or reduce-scatter moves (each
+        device's gathered output, or unscattered input): leaves gathered together move in
+        runs of whole leaves of at most this many (`gather_leaves`), and a larger gradient
+        is reduced in pieces of at most this many (`reduce_scatter`). None: one buffer.
       two_level: `(axis, hosts)` of the manual axes whose devices span `hosts` hosts
         (1 < hosts < the axis size, no `host` axis naming them): a full-precision gather over
         one of them alone runs across hosts and then inside each host, its reduce-scatter
@@ -197,12 +198,9 @@ def _gather_group_fwd(xs, op: _Group):
 def _gather_group_bwd(op: _Group, _, cotangents):
     peers = jax.lax.axis_size(op.axes)
     hosts, bucket = op.switches.hosts(op.axes), op.switches.bucket
-    mine = []
-    for group in _buckets([c.size for c in cotangents], bucket):
-        rows = jnp.concatenate([comm.rows_of(cotangents[i].astype(jnp.float32), peers, op.dims[i])
-                                for i in group], axis=1)
-        mine.append(comm.scatter_rows(rows, op.axes, bucket, hosts))
-    mine = mine[0] if len(mine) == 1 else jnp.concatenate(mine)
+    rows = jnp.concatenate([comm.rows_of(c.astype(jnp.float32), peers, dim)
+                            for c, dim in zip(cotangents, op.dims)], axis=1)
+    mine = comm.scatter_rows(rows, op.axes, bucket, hosts)
     shards = [comm.shard_shape(c.shape, peers, dim) for c, dim in zip(cotangents, op.dims)]
     cuts = list(itertools.accumulate(math.prod(s) for s in shards))[:-1]
     return (tuple(part.reshape(s).astype(t)
@@ -214,8 +212,7 @@ _gather_group.defvjp(_gather_group_fwd, _gather_group_bwd)
 
 def _buckets(sizes: list[int], bucket: int | None) -> list[list[int]]:
     """The leaves' indices in runs of consecutive leaves of at most `bucket` elements in all
-    (a larger leaf alone; None: one run). Each run's fp32 rows are built and reduce-scattered
-    on their own, so the step never holds every leaf's fp32 gradient at once."""
+    (a larger leaf alone; None: one run)."""
     runs: list[list[int]] = [[]]
     total = 0
     for i, size in enumerate(sizes):
@@ -230,11 +227,10 @@ def _buckets(sizes: list[int], bucket: int | None) -> list[list[int]]:
 def gather_group(xs, axes: tuple[str, ...], dims, *, dtype, switches: Switches = Switches()):
     """ZeRO gathers of several leaves over the same `axes` as one collective: each shard
     `xs[i]` (split on `dims[i]`) in `dtype`, flattened into one buffer, gathered, and cut
-    back into the whole leaves. Its transpose reduce-scatters their fp32 cotangents as one
-    buffer, or with `switches.bucket` in runs of whole leaves of at most that many elements
-    (a larger leaf alone, in pieces), each built only when it is reduced: gathered once per
-    step, the 100M model's step peak fell from 942 to 856 MiB (`zero_memory.py`, buckets of
-    2**20). Over one axis that spans hosts
+    back into the whole leaves (a copy of each: the gathered buffer is peer-major). Its
+    transpose reduce-scatters their fp32 cotangents as one buffer, in pieces of at most
+    `switches.bucket` elements (`gather_leaves` keeps a group within that size, or to one
+    larger leaf). Over one axis that spans hosts
     (`switches.two_level`), both run in two stages. Full precision only (`Switches.grouped`).
 
     The same values as `gather_stage` leaf by leaf, in one collective a direction instead of
@@ -273,8 +269,14 @@ def gather_leaf(x: jax.Array, leaf: LeafGather | None, *, dtype, switches: Switc
 def gather_leaves(xs, leaves, parts, *, dtype, switches: Switches) -> list:
     """`gather_leaf` on each `xs[i]` with `leaves[i]` and `parts[i]`; the leaves gathered over
     the same axes at the same stage move together, one collective a direction
-    (`gather_group`) where `switches.grouped`, else leaf by leaf (`gather_stage`). Leaves that
-    are not floating pass through unchanged."""
+    (`gather_group`) where `switches.grouped`, in runs of whole leaves of at most
+    `switches.bucket` gathered elements (`_buckets`), else leaf by leaf (`gather_stage`).
+    Leaves that are not floating pass through unchanged.
+
+    The runs bound what the step holds twice: each run's gathered buffer until it is cut
+    into its leaves, and in the backward pass its fp32 gradients. In one buffer, the 100M
+    model gathered once per step peaked at 942 MiB against the sharding path's 676; in runs
+    of 2**22 elements at 682 (`zero_memory.py`)."""
     out = list(xs)
     stages = [part_stages(leaf.stages(switches.hpz), part, switches.hpz)
               if leaf is not None and jnp.issubdtype(x.dtype, jnp.floating) else ()
@@ -287,8 +289,11 @@ def gather_leaves(xs, leaves, parts, *, dtype, switches: Switches) -> list:
         for axes, members in together.items():
             dims = [leaves[i].dim for i in members]
             if switches.grouped:
-                done = gather_group([out[i] for i in members], axes, dims, dtype=dtype,
-                                    switches=switches)
+                peers = jax.lax.axis_size(axes)
+                done = []
+                for run in _buckets([out[i].size * peers for i in members], switches.bucket):
+                    done += gather_group([out[members[k]] for k in run], axes,
+                                         [dims[k] for k in run], dtype=dtype, switches=switches)
             else:
                 done = [gather_stage(out[i], axes, dim, dtype=dtype, switches=switches)
                         for i, dim in zip(members, dims)]

@@ -203,6 +203,11 @@ def _unsupported(config, mesh: Mesh) -> str | None:
 
 #: `max_reduce_scatter_elements: auto` where the collectives run over gloo (see the schema).
 GLOO_BUCKET = 2**18
+#: `max_reduce_scatter_elements: auto` elsewhere: runs of 16 MiB of fp32 gradients (32 MiB of
+#: fp32 leaves gathered in 8 MiB of bf16). The step peak of `zero_memory.py`'s 100M model came
+#: within 1.5% of the sharding path's, layer by layer and once per step; 2**20 within 2.6%,
+#: 2**23 6% over layer by layer (a whole layer in one run), none 39% over once per step.
+RUN_BUCKET = 2**22
 
 
 def switches_of(zero, *, gloo: bool = False) -> zc.Switches:
@@ -215,7 +220,7 @@ def switches_of(zero, *, gloo: bool = False) -> zc.Switches:
         gradient_bits=zero.quantized_gradient_bits if zero.zero_quantized_gradients else None,
         hpz=zero.zero_hpz_partition_size > 1,
         block=zero.quantization_block_size,
-        bucket=(GLOO_BUCKET if gloo else None) if bucket == "auto" else bucket,
+        bucket=(GLOO_BUCKET if gloo else RUN_BUCKET) if bucket == "auto" else bucket,
     )
 
 
@@ -256,9 +261,10 @@ def runs_explicit(config, mesh: Mesh) -> bool:
 
     `collectives: auto` runs them where the mesh spans hosts (`spans_hosts`) or a ZeRO++
     switch is on, and keeps the sharding path inside one host, where it measured faster on CPU
-    (13-27% on `throughput.py`'s fsdp8 on 2026-12-04) and lighter (403 against 431 MiB of step
-    peak layer by layer, 676 against 942 once per step, on `zero_memory.py`'s 100M model;
-    benchmarks/README). `explicit` and the ZeRO++
+    on 2026-12-04 (13-27% on `throughput.py`'s fsdp8, an AVX2 machine; on 2026-12-06 the
+    explicit step was 1.08x faster on an AVX-512 one, `zero_paths.py`) and where the explicit
+    step peaked higher until its groups moved in runs of whole leaves (now within 1.5% on
+    `zero_memory.py`'s 100M model; benchmarks/README). `explicit` and the ZeRO++
     switches refuse (one `ConfigError`) where they cannot run: a pipeline, a sequence or tensor
     axis, offload. With an `expert` axis the MoE layers exchange tokens inside the step's map
     (`jaxspeed.moe.parallel.moe_ffn`).
