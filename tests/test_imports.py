@@ -19,6 +19,24 @@ LONG_MODULES: dict[str, str] = {
 }
 
 
+#: The README's Architecture table, top row first: a package imports only from rows below it.
+ARCHITECTURE = (("cli",), ("autoplan",), ("train",), ("checkpoint",), ("cost",), ("models",),
+                ("optim",), ("config",), ("attention", "moe", "pipeline"), ("sharding",),
+                ("data",), ("ops",), ("runtime", "gpu"), ("errors", "tree_paths"))
+#: Imports that run up the table, each inside a function (never at import time), and why:
+#: {(importer, imported): reason}.
+UPWARD: dict[tuple[str, str], str] = {
+    ("jaxspeed.checkpoint.export", "jaxspeed.train.engine"):
+        "load_trained rebuilds a trained run's engine",
+    ("jaxspeed.cost.fit", "jaxspeed.train.engine"):
+        "fit compiles the changes it suggests through initialize",
+    ("jaxspeed.models.gpt", "jaxspeed.autoplan.cluster"):
+        "model.moe.cluster names a cluster file, read only when a config names one",
+    ("jaxspeed.moe.strategies", "jaxspeed.autoplan.comm"):
+        "parallelism: auto prices the strategies with the planner's link model",
+}
+
+
 def _module_name(path: Path) -> str:
     """jaxspeed/train/engine.py → "jaxspeed.train.engine"; a package's `__init__` is the package."""
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -151,3 +169,44 @@ def test_modules_are_small():
 def test_few_top_level_modules():
     top = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules in jaxspeed/: {top}"
+
+
+def _package(module: str) -> str:
+    """jaxspeed.train.engine → "train"; a top-level module is its own package."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The modules `path` imports when it is imported (not inside a function or class)."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return found
+
+
+def test_imports_go_down_the_architecture_table():
+    row = {package: i for i, packages in enumerate(ARCHITECTURE) for package in packages}
+    modules = _modules()
+    upward = set()
+    for module, targets in import_graph().items():
+        for target in targets:
+            here, there = _package(module), _package(target)
+            if here != there and here in row and there in row and row[there] <= row[here]:
+                upward.add((module, target))
+    unexplained = sorted(upward - set(UPWARD))
+    assert not unexplained, f"imports up the README's Architecture table: {unexplained}"
+    stale = sorted(set(UPWARD) - upward)
+    assert not stale, f"no longer imported, drop them from UPWARD: {stale}"
+    at_import = sorted((m, t) for m, t in UPWARD if t in _top_level_imports(modules[m]))
+    assert not at_import, f"upward imports must stay inside a function: {at_import}"
+
+
+def test_every_package_is_in_the_architecture_table():
+    listed = {package for packages in ARCHITECTURE for package in packages}
+    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    top = {path.stem for path in PACKAGE.glob("*.py") if not path.stem.startswith("_")}
+    assert packages | top == listed, (sorted((packages | top) - listed), sorted(listed - packages - top))

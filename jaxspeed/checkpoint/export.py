@@ -28,7 +28,6 @@ from jaxspeed.checkpoint.state import Checkpointer, CheckpointError, unreadable
 from jaxspeed.config import load_config
 from jaxspeed.runtime.mesh import make_mesh
 from jaxspeed.runtime.progress import phase
-from jaxspeed.train.engine import initialize
 
 #: The saved run's batch and mesh do not matter for reading params: one row per replica...
 _ONE_ROW = [
@@ -173,6 +172,8 @@ def load_trained(checkpoint_dir: str | Path, *, step: int | None = None, devices
     (on one device, every axis is 1). Orbax reads each array straight into the new plan.
     For the params alone, `read_params` reads less and builds no engine.
     """
+    from jaxspeed.train.engine import initialize  # up the table: `train` saves checkpoints
+
     ckpt = _train_checkpoint(checkpoint_directory(checkpoint_dir))
     meta = ckpt.read_meta(step)
     if "config" not in meta:
