@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._shapes import out_like
-from pallas_kernels.block_sparse_attention import MASK_VALUE, differentiable, layout_tables
+from pallas_kernels._sparse_shared import MASK_VALUE, differentiable, layout_tables
 
 #: Hopper's opt-in shared memory per block (`shared_memory_per_block_optin` of H100/H200).
 HOPPER_SMEM_LIMIT = 232448

@@ -35,13 +35,13 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _backend
-from pallas_kernels._shapes import out_like, vary_like
+from pallas_kernels._moe_shared import check_routing, differentiable_ops, pad_to, slot_table
+from pallas_kernels._shapes import out_like
 
 #: Tokens (combine) or slots (dispatch) handled by one program, at most.
 BLOCK_ROWS = 32
@@ -91,13 +91,6 @@ def _geometry(num_tokens, num_slots, width, interpret, block_rows, block_cols) -
     width_padded = pl.cdiv(width, block_m) * block_m
     return _Static(num_tokens, num_slots, width, block_t, tokens_padded, block_s,
                    slots_padded, block_m, width_padded, bool(interpret))
-
-
-def _pad_to(x, rows: int, cols: int):
-    pad_rows, pad_cols = rows - x.shape[0], cols - x.shape[1]
-    if pad_rows or pad_cols:
-        x = jnp.pad(x, ((0, pad_rows), (0, pad_cols)))
-    return x
 
 
 def _compiler_params():
@@ -205,97 +198,10 @@ def _combine_dw_call(y, slots, do, static: _Static):
     return partial.sum(axis=0)
 
 
-# ---- index tables -------------------------------------------------------------------------------
-
-
-def _slot_table(expert_index, position, capacity, static: _Static):
-    """Flat slot per (choice, token), `[k, Tp]` int32; -1 for a dropped choice or padding."""
-    num_experts = static.num_slots // capacity if capacity else 0
-    kept = (position >= 0) & (position < capacity)
-    kept &= (expert_index >= 0) & (expert_index < num_experts)
-    flat = jnp.where(kept, expert_index * capacity + position, -1).astype(jnp.int32).T
-    return jnp.pad(flat, ((0, 0), (0, static.tokens_padded - static.num_tokens)),
-                   constant_values=-1)
-
-
-def _inverse_table(slots, values, static: _Static, *, fill):
-    """Scatters `values [k, Tp]` to their slots: `[Sp]`, `fill` where no choice lands."""
-    # Out-of-range targets are dropped; -1 must not wrap around, so it is sent to Sp.
-    target = jnp.where(slots >= 0, slots, static.slots_padded).reshape(-1)
-    table = jnp.full((static.slots_padded,), fill, values.dtype)
-    return table.at[target].set(values.reshape(-1), mode="drop")
-
-
-def _token_ids(slots):
-    return jnp.broadcast_to(jnp.arange(slots.shape[1], dtype=jnp.int32), slots.shape)
-
-
-# ---- differentiable ops on padded operands ------------------------------------------------------
-
-
-def differentiable_ops(combine_call, dispatch_call, combine_dw_call):
-    """`(dispatch, combine)` with custom VJPs over a family's three kernel calls (Triton here,
-    Mosaic GPU in `moe_kernels_mgpu`): the backward passes are the same kernels.
-
-    `dispatch(x, slots, static)` and `combine(y, slots, weight, static)` take padded operands
-    and the slot table; the calls take `(rows, table, weight_or_scale, static)`.
-    """
-
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-    def dispatch(x, slots, static):
-        src = _inverse_table(slots, _token_ids(slots), static, fill=-1)
-        return dispatch_call(x, src, None, static)
-
-    def dispatch_fwd(x, slots, static):
-        return dispatch(x, slots, static), (slots, x[:, :0])  # x's rows and type, no bytes
-
-    def dispatch_bwd(static, residuals, dout):
-        slots, like_x = residuals
-        ones = (slots >= 0).astype(jnp.float32)
-        dx = combine_call(dout, slots, ones, static)[: like_x.shape[0]]
-        return vary_like(dx, like_x), None
-
-    dispatch.defvjp(dispatch_fwd, dispatch_bwd)
-
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-    def combine(y, slots, weight, static):
-        return combine_call(y, slots, weight, static)
-
-    def combine_fwd(y, slots, weight, static):
-        return combine_call(y, slots, weight, static), (y, slots, weight)
-
-    def combine_bwd(static, residuals, dout):
-        y, slots, weight = residuals
-        src = _inverse_table(slots, _token_ids(slots), static, fill=-1)
-        scale = _inverse_table(slots, weight, static, fill=0.0)
-        dy = dispatch_call(dout, src, scale, static)[: y.shape[0]]
-        dw = combine_dw_call(y, slots, dout, static)
-        return vary_like(dy, y), None, vary_like(dw, weight)
-
-    combine.defvjp(combine_fwd, combine_bwd)
-    return dispatch, combine
-
-
 _dispatch, _combine = differentiable_ops(_combine_call, _dispatch_call, _combine_dw_call)
 
 
 # ---- public API ---------------------------------------------------------------------------------
-
-
-def _check_routing(expert_index, position, num_tokens, *, weight=None):
-    if expert_index.ndim != 2 or expert_index.shape[0] != num_tokens:
-        raise ValueError(
-            f"expert_index must have shape [tokens, k] = [{num_tokens}, k], got "
-            f"{expert_index.shape}")
-    if position.shape != expert_index.shape:
-        raise ValueError(
-            f"position must have expert_index's shape {expert_index.shape}, got {position.shape}")
-    if weight is not None and weight.shape != expert_index.shape:
-        raise ValueError(
-            f"weight must have expert_index's shape {expert_index.shape}, got {weight.shape}")
-    for name, a in (("expert_index", expert_index), ("position", position)):
-        if not jnp.issubdtype(a.dtype, jnp.integer):
-            raise ValueError(f"{name} must be an integer array, got dtype {a.dtype}")
 
 
 def _family(backend, interpret, block_rows, block_cols):
@@ -343,11 +249,11 @@ def moe_dispatch(x, expert_index, position, num_experts: int, capacity: int, *,
     if num_experts < 1 or capacity < 1:
         raise ValueError(
             f"num_experts and capacity must be positive ints, got {num_experts} and {capacity}")
-    _check_routing(expert_index, position, x.shape[0])
+    check_routing(expert_index, position, x.shape[0])
     tokens, width = x.shape
     static = _geometry(tokens, num_experts * capacity, width, interpret, block_rows, block_cols)
-    slots = _slot_table(expert_index, position, capacity, static)
-    out = _dispatch(_pad_to(x, static.tokens_padded, static.width_padded), slots, static)
+    slots = slot_table(expert_index, position, capacity, static)
+    out = _dispatch(pad_to(x, static.tokens_padded, static.width_padded), slots, static)
     return out[: static.num_slots, :width].reshape(num_experts, capacity, width)
 
 
@@ -382,11 +288,11 @@ def moe_combine(y, expert_index, position, weight, *, interpret=None,
         raise ValueError(f"y must have shape [experts, capacity, model], got {y.shape}")
     num_experts, capacity, width = y.shape
     tokens = expert_index.shape[0] if expert_index.ndim == 2 else -1
-    _check_routing(expert_index, position, tokens, weight=weight)
+    check_routing(expert_index, position, tokens, weight=weight)
     static = _geometry(tokens, num_experts * capacity, width, interpret, block_rows, block_cols)
-    slots = _slot_table(expert_index, position, capacity, static)
+    slots = slot_table(expert_index, position, capacity, static)
     w = jnp.pad(weight.astype(jnp.float32).T, ((0, 0), (0, static.tokens_padded - tokens)))
-    y_flat = _pad_to(y.reshape(num_experts * capacity, width), static.num_slots,
+    y_flat = pad_to(y.reshape(num_experts * capacity, width), static.num_slots,
                      static.width_padded)
     out = _combine(y_flat, slots, w, static)
     return out[:tokens, :width]

@@ -27,15 +27,13 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._shapes import out_like
-from pallas_kernels.moe_kernels import (_check_routing, _pad_to, _slot_table,
-                                        differentiable_ops)
+from pallas_kernels._moe_shared import check_routing, differentiable_ops, pad_to, slot_table
 
 #: Shared memory one CTA may use on H100 and H200 (`sharedMemPerBlockOptin`, 227 KiB).
 SMEM_LIMIT = 232448
@@ -386,12 +384,12 @@ def moe_dispatch(x, expert_index, position, num_experts: int, capacity: int, *,
     if num_experts < 1 or capacity < 1:
         raise ValueError(
             f"num_experts and capacity must be positive ints, got {num_experts} and {capacity}")
-    _check_routing(expert_index, position, x.shape[0])
+    check_routing(expert_index, position, x.shape[0])
     tokens, width = x.shape
     static = _geometry(tokens, num_experts * capacity, width, x.dtype, config, interpret,
                        expert_index.shape[1])
-    slots = _slot_table(expert_index, position, capacity, static)
-    out = _dispatch(_pad_to(x, tokens, static.width_padded), slots, static)
+    slots = slot_table(expert_index, position, capacity, static)
+    out = _dispatch(pad_to(x, tokens, static.width_padded), slots, static)
     return out[: static.num_slots, :width].reshape(num_experts, capacity, width)
 
 
@@ -417,12 +415,12 @@ def moe_combine(y, expert_index, position, weight, *, interpret=None,
         raise ValueError(f"y must have shape [experts, capacity, model], got {y.shape}")
     num_experts, capacity, width = y.shape
     tokens = expert_index.shape[0] if expert_index.ndim == 2 else -1
-    _check_routing(expert_index, position, tokens, weight=weight)
+    check_routing(expert_index, position, tokens, weight=weight)
     static = _geometry(tokens, num_experts * capacity, width, y.dtype, config, interpret,
                        expert_index.shape[1])
-    slots = _slot_table(expert_index, position, capacity, static)
+    slots = slot_table(expert_index, position, capacity, static)
     w = jnp.pad(weight.astype(jnp.float32).T, ((0, 0), (0, static.tokens_padded - tokens)))
-    y_flat = _pad_to(y.reshape(num_experts * capacity, width), static.num_slots,
+    y_flat = pad_to(y.reshape(num_experts * capacity, width), static.num_slots,
                      static.width_padded)
     out = _combine(y_flat, slots, w, static)
     return out[:tokens, :width]
