@@ -301,3 +301,20 @@ def test_resume_between_syncs_is_bit_exact_over_two_hosts(tmp_path):
     assert losses + more == straight_losses
     chex.assert_trees_all_equal(resumed.params, straight.params)
     chex.assert_trees_all_equal(resumed.opt_state, straight.opt_state)
+
+
+def test_defaults_are_the_configs():
+    """0/1 Adam's defaults live in the config (`ZeroOneAdamParams`); the optax function and the
+    planner's byte model take the same ones (they were written three times)."""
+    import inspect
+
+    from jaxspeed.autoplan.traffic import ZERO_ONE_DEFAULTS
+    from jaxspeed.config.optimizer import ZeroOneAdamParams
+
+    config = ZeroOneAdamParams()
+    function = inspect.signature(zero_one_adam).parameters
+    for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler",
+                 "local_step_clipper", "eps", "bias_correction"):
+        assert function[name].default == getattr(config, name), name
+    assert (function["b1"].default, function["b2"].default) == tuple(config.betas)
+    assert ZERO_ONE_DEFAULTS == {name: getattr(config, name) for name in ZERO_ONE_DEFAULTS}

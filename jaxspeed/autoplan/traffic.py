@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+from jaxspeed.config.optimizer import ZeroOneAdamParams
 from jaxspeed.cost.flops import expert_matmul_params
 from jaxspeed.ops.precision import compute_dtype
 from jaxspeed.ops.quantize import num_blocks
@@ -68,9 +69,10 @@ ONEBIT_VARIANTS = {"Adam": ("OneBitAdam", "ZeroOneAdam"), "AdamW": ("OneBitAdam"
 LAYER_LEAVES, OTHER_LEAVES = 8, 2
 #: Of a layer's leaves, its vectors (the two norms' scales).
 LAYER_VECTORS = 2
-#: DeepSpeed's ZeroOneAdam defaults.
-ZERO_ONE_DEFAULTS = {"var_freeze_step": 100000, "var_update_scaler": 16,
-                     "local_step_scaler": 32678, "local_step_clipper": 16}
+#: DeepSpeed's ZeroOneAdam defaults, as the config declares them (for a run priced with 0/1
+#: Adam that is configured with another optimizer).
+ZERO_ONE_DEFAULTS = {name: ZeroOneAdamParams.model_fields[name].default for name in (
+    "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")}
 
 
 class Transfer(NamedTuple):
