@@ -386,3 +386,17 @@ def test_bad_scheduler_values(params, match):
 def test_unknown_scheduler_type():
     with pytest.raises(ConfigError, match=r"scheduler\.type.*accepted"):
         make_schedule(_sched("OneCycle"), base_lr=0.1)
+
+
+def test_build_optimizer_keeps_a_loose_configs_moe_bias_balance():
+    """`model.moe.balance: bias` moves the selection biases by their own rule; a loose config
+    lost its `model` on the way and trained them with the optimizer (issue 60)."""
+    moe = {"num_experts": 4, "k": 2, "balance": "bias", "bias_update_rate": 0.01}
+    plain = _full_config(0.0)
+    balanced = SimpleNamespace(**vars(plain), model={"moe": moe})
+    params = {"w": jnp.ones((2, 2))}
+    tx_plain, tx_balanced = build_optimizer(plain)[0], build_optimizer(balanced)[0]
+    assert type(tx_balanced.init(params)) is not type(tx_plain.init(params))  # optax.partition's
+    typed = load_config({"model": {"moe": moe}, "optimizer": {"type": "SGD", "params": {"lr": 1.0}}})
+    assert jax.tree.structure(build_optimizer(typed)[0].init(params)) == jax.tree.structure(
+        tx_balanced.init(params))

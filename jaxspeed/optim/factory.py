@@ -319,7 +319,8 @@ def build_optimizer(
 
     Args:
       config: a `Config`, or an object with `.optimizer`, `.scheduler` (None: constant lr)
-        and `.gradient_clipping` (max global norm; 0 = off), validated as a config's would be.
+        and `.gradient_clipping` (max global norm; 0 = off), and optionally `.model` (a
+        mapping or `ModelConfig`, for `model.moe.balance`), validated as a config's would be.
       clip_outside: the caller clips the gradients itself (on the device, before a host
         update: optax's global norm cannot run as a host computation). `tx` then chains
         `optax.identity()` in the clipping's place, so its state has the same structure.
@@ -342,6 +343,9 @@ def build_optimizer(
         }
         if config.scheduler is not None:
             raw["scheduler"] = _raw(config.scheduler)
+        model = getattr(config, "model", None)
+        if isinstance(model, (Mapping, BaseModel)):  # its `moe.balance: bias` is the optimizer's
+            raw["model"] = model
         config = load_config(raw)
     schedule = make_schedule(config.scheduler, base_lr=base_learning_rate(config.optimizer))
     tx = make_optimizer(config.optimizer, learning_rate=schedule, axis_name=axis_name)
