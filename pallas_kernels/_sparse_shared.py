@@ -17,7 +17,8 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def layout_tables(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Compresses a bool layout into row and column index tables (see the module docstring).
+    """Compresses a bool layout into row and column index tables (`block_sparse_attention`'s
+    module docstring says how the kernels read them).
 
     Args:
       blocks: bool `[layout_heads, nb, nb]` (from `check_layout`).

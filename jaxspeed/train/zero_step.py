@@ -203,8 +203,8 @@ def _unsupported(config, mesh: Mesh) -> str | None:
 
 #: `max_reduce_scatter_elements: auto` where the collectives run over gloo (see the schema).
 GLOO_BUCKET = 2**18
-#: `max_reduce_scatter_elements: auto` elsewhere: runs of 16 MiB of fp32 gradients (32 MiB of
-#: fp32 leaves gathered in 8 MiB of bf16). The step peak of `zero_memory.py`'s 100M model came
+#: `max_reduce_scatter_elements: auto` elsewhere: runs of 2**22 elements (8 MiB gathered in
+#: bf16, 16 MiB of fp32 gradients). The step peak of `zero_memory.py`'s 100M model came
 #: within 1.5% of the sharding path's, layer by layer and once per step; 2**20 within 2.6%,
 #: 2**23 6% over layer by layer (a whole layer in one run), none 39% over once per step.
 RUN_BUCKET = 2**22
