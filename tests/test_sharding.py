@@ -54,6 +54,15 @@ def test_zero_spec_combines_with_tensor_when_needed():
     assert spec == P(None, ("data", "tensor"))
 
 
+def test_zero_spec_beside_false_keeps_zero_off_a_dimension_split_already():
+    """The explicit ZeRO-3 step's plan: ZeRO takes an unsplit dimension, or none."""
+    spec, _ = zero_spec(P("tensor", None), (256, 64), MESH_SHAPE, logical=("vocab", "embed"),
+                        beside=False)
+    assert spec == P("tensor", "data")
+    spec, note = zero_spec(P(None, "tensor"), (3, 256), MESH_SHAPE, beside=False)
+    assert spec == P(None, "tensor") and "replicated" in note
+
+
 def test_zero_spec_unshardable_stays_replicated():
     spec, note = zero_spec(P(None), (7,), MESH_SHAPE)
     assert spec == P(None) and "replicated" in note

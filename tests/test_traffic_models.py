@@ -26,6 +26,8 @@ Z = "zero_optimization."
 PER_USE = Z + "max_live_parameters=0"
 QW, QG, HPZ = Z + "zero_quantized_weights=true", Z + "zero_quantized_gradients=true", Z + "zero_hpz_partition_size=4"
 REMAT = "activation_checkpointing.policy=full"
+#: 2 data x 2 tensor in each host: the leaves' tensor parts gather inside each tensor group
+TENSOR = ["mesh.data=4", "mesh.tensor=2"]
 
 
 def _planner(config, sizes) -> dict[tuple[str, str], float]:
@@ -60,6 +62,8 @@ def _built(config, plan) -> dict[tuple[str, str], float]:
     [HPZ, PER_USE, REMAT],
     [QW], [QW, PER_USE], [QW, PER_USE, REMAT],  # quantized: each leaf its own collective
     [QG], [QW, QG, HPZ, PER_USE, REMAT],
+    [*TENSOR, PER_USE], [*TENSOR, PER_USE, REMAT],
+    [*TENSOR, QW, QG, Z + "zero_hpz_partition_size=2", PER_USE, REMAT],
 ], ids=lambda o: " ".join(x.removeprefix(Z) for x in o) or "once per step")
 def test_the_planner_prices_zero3_as_the_built_plan_does(overrides):
     config = load_config("configs/gpt_tiny.yaml", overrides=[*TINY, *overrides])

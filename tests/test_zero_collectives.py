@@ -35,12 +35,17 @@ def shard_fn(mesh, fn, in_spec, out_spec):
 
 def test_leaf_gather_from_spec_and_stages():
     leaf = zc.leaf_gather(P(None, ("data", "host"), "tensor"))
-    assert leaf == zc.LeafGather(1, AXES)
+    assert leaf == zc.LeafGather(1, AXES, (None, None, "tensor"))
+    assert leaf.kept_axes == ("tensor",)
+    assert zc.leaf_gather(P(None, ("data", "host"))) == zc.LeafGather(1, AXES)
     assert leaf.stages(hpz=False) == (AXES,)
     assert leaf.stages(hpz=True) == (("host",), ("data",))
     assert zc.leaf_gather(P("tensor")) is None
     assert zc.LeafGather(1, ("host",)).stages(hpz=True) == (("host",),)
-    assert leaf.sliced().dim == 0
+    assert leaf.sliced() == zc.LeafGather(0, AXES, (None, "tensor"))
+    # inside a tensor group, ZeRO's shards of a dimension split over both are not contiguous
+    with pytest.raises(ValueError, match="split over .*'data'.*alone"):
+        zc.leaf_gather(P(("data", "tensor"), None))
 
 
 @pytest.mark.parametrize("switches", [zc.Switches(), zc.Switches(hpz=True)], ids=["zero3", "hpz"])

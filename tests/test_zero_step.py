@@ -32,10 +32,14 @@ from numerics import assert_adam_params_close
 
 Z = "zero_optimization."
 HOSTS2 = ["mesh.data=8", "mesh.hosts=2", Z + "stage=3", Z + "max_live_parameters=0"]
+#: Two hosts x (2 data x 2 tensor): HSDP beside tensor parallelism inside each host.
+TENSOR2 = ["mesh.data=4", "mesh.tensor=2", "mesh.hosts=2", Z + "stage=3",
+           Z + "max_live_parameters=0"]
 #: Stage 3 on one host against the single-device reference is in `test_engine`; here: two
-#: hosts with remat, and gradient accumulation.
+#: hosts with remat, with a tensor axis, and gradient accumulation.
 CASES = {
     "hosts2/layer/remat": [*HOSTS2, "activation_checkpointing.policy=full"],
+    "hosts2/tensor2/layer": TENSOR2,
     "data8/layer/accum2": ["mesh.data=8", Z + "stage=3", Z + "max_live_parameters=0",
                            Z + "collectives=explicit",
                            "gradient_accumulation_steps=2"],
@@ -69,7 +73,7 @@ def test_explicit_zero3_equals_sharding_path_and_single_device(dataset, case):
     assert explicit.step_flops() == compiler.step_flops()  # the map's body counts per device
     np.testing.assert_allclose(losses, base_losses, rtol=RHO)
     assert_adam_params_close(state.params, base.params, steps=2, lr=LR, rho=RHO)
-    if case.startswith("hosts2"):
+    if case.startswith("hosts2"):  # against the single-device reference too
         ref_losses, ref_params = reference_from(explicit, dataset, n=2)
         np.testing.assert_allclose(losses, ref_losses, rtol=RHO)
         assert_adam_params_close(state.params, ref_params, steps=2, lr=LR, rho=RHO)
@@ -128,6 +132,35 @@ def test_bucketed_reduce_scatter_trains_like_zero3_in_pieces(dataset, zero3_loss
     # pass does not gather them again (in one buffer with the matrices, it must)
     norms = 2 * 64 * 4
     assert sum(runs) == sum(groups) - norms, (sum(runs), sum(groups))
+
+
+def test_zeropp_beside_tensor_parallelism_trains_like_zero3_and_moves_over_zero_axes_only(
+        dataset):
+    """ZeRO++ (qwZ + qgZ + hpZ) with `mesh.tensor=2`: the weights stay split over `tensor`,
+    and every gather, reduce-scatter and all-to-all runs inside one tensor index's devices,
+    on its tensor part of each leaf (small blocks, so that the tiny leaves quantize)."""
+    small = [Z + "quantization_block_size=64", "activation_checkpointing.policy=full"]
+    _, _, zero3 = train(tiny_config(*TENSOR2, *small), dataset, SWITCH_STEPS)
+    zeropp = [*TENSOR2, *small, Z + "zero_quantized_weights=true",
+              Z + "zero_quantized_gradients=true", Z + "zero_hpz_partition_size=2"]
+    engine, _, losses = train(tiny_config(*zeropp), dataset, SWITCH_STEPS)
+    np.testing.assert_allclose(losses, zero3, rtol=1 / (2 * qz.QMAX[4]))
+    assert not np.array_equal(losses, zero3) and losses[-1] < losses[0] - 0.3
+    text = engine.compile_train_step().as_text()
+    tensor_of = _coordinates(engine.mesh, "tensor")
+    zero_ops = [op for op in hlo.collectives(text, num_devices=8) if op.kind != "all-reduce"]
+    kinds = {op.kind for op in zero_ops}  # a shard too small to quantize: a reduce-scatter
+    assert {"all-gather", "all-to-all"} <= kinds <= {"all-gather", "all-to-all", "reduce-scatter"}
+    for op in zero_ops:
+        assert all(len({tensor_of[d] for d in group}) == 1 for group in op.groups), op
+    assert any(t.startswith("s8[") for t in _collective_types(text, "all-gather"))
+    assert step_traffic(engine.config, engine.plan) is not None
+
+
+def _coordinates(mesh, axis: str) -> dict[int, int]:
+    """Device id -> its index along `axis` of `mesh`."""
+    where = mesh.axis_names.index(axis)
+    return {d.id: index[where] for index, d in np.ndenumerate(mesh.devices)}
 
 
 # -- the compiled step -------------------------------------------------------------------
@@ -198,7 +231,7 @@ def test_zeropp_step_moves_int8_weights_packed_int4_grads_and_crosses_hosts_once
 
 
 @pytest.mark.parametrize("overrides,per_layer", [
-    (HOSTS2, True), (["mesh.data=8", "mesh.hosts=2", Z + "stage=3"], False)])
+    (HOSTS2, True), (["mesh.data=8", "mesh.hosts=2", Z + "stage=3"], False), (TENSOR2, True)])
 def test_plan_traffic_is_what_the_zero3_step_moves(overrides, per_layer):
     engine, _, ops = _step_collectives(*overrides)
     traffic = zt.plan_traffic(engine.plan, compute_bytes=4, per_layer=per_layer)
@@ -216,8 +249,8 @@ def test_plan_traffic_is_what_the_zero3_step_moves(overrides, per_layer):
       Z + "zero_quantized_weights=true"], r"zero_quantized_weights .* mesh.pipe=2"),
     ([Z + "stage=3", Z + "offload_param.device=cpu", Z + "collectives=explicit"],
      r"collectives=explicit .* offload_param"),
-    (["mesh.data=4", "mesh.tensor=2", Z + "stage=3", Z + "zero_quantized_gradients=true"],
-     r"zero_quantized_gradients .* mesh.tensor=2"),
+    (["mesh.data=4", "mesh.sequence=2", Z + "stage=3", Z + "zero_quantized_gradients=true"],
+     r"zero_quantized_gradients .* mesh.sequence=2"),
     (["mesh.data=4", "mesh.hosts=2", "mesh.expert=2", Z + "stage=3",
       Z + "zero_hpz_partition_size=2", "model.moe={num_experts: 2, every_n_layers: 2}"],
      r"zero_hpz_partition_size=2 needs mesh.expert=1"),
@@ -229,7 +262,7 @@ def test_unsupported_combinations_are_refused_in_one_line(overrides, match):
 
 
 def test_auto_keeps_the_sharding_path_where_explicit_is_unsupported():
-    engine = js.initialize(tiny_config("mesh.data=4", "mesh.tensor=2", Z + "stage=3"))
+    engine = js.initialize(tiny_config("mesh.data=4", "mesh.sequence=2", Z + "stage=3"))
     assert engine.explicit_zero is None
     assert step_traffic(engine.config, engine.plan) is None
 

@@ -55,7 +55,7 @@ from jaxspeed.config.optimizer import ZeroOneAdamParams
 from jaxspeed.cost.flops import expert_matmul_params
 from jaxspeed.ops.precision import compute_dtype
 from jaxspeed.ops.quantize import num_blocks
-from jaxspeed.runtime.mesh import AXES, DATA, EXPERT, HOST, SEQUENCE
+from jaxspeed.runtime.mesh import AXES, DATA, EXPERT, HOST, SEQUENCE, TENSOR
 from jaxspeed.train.zero_step import switches_of
 
 #: The optimizers whose data-parallel exchange is the 1-bit compressed all-reduce.
@@ -302,10 +302,13 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
                 out += gather(f"zero3.secondary_gather.{label}", leaves)
                 continue
             out += gather(f"zero3.forward_gather.{label}", leaves * (micro if per_layer else 1))
-            if per_layer and (recompute or sw.grouped):
+            # the vectors move with the matrices where grouped, but not beside `tensor`:
+            # the matrices split over it move apart (`zero_collectives.gather_leaves`)
+            if per_layer and (recompute or (sw.grouped and sizes[TENSOR] == 1)):
                 out += gather(f"zero3.backward_gather.{label}", leaves * micro)
-            elif per_layer:  # each its own collective, not recomputed: the matrices alone
-                matrices = leaves * (LAYER_LEAVES - LAYER_VECTORS) / LAYER_LEAVES
+            elif per_layer:  # not recomputed: the matrices alone
+                matrices = leaves if sw.grouped else (
+                    leaves * (LAYER_LEAVES - LAYER_VECTORS) / LAYER_LEAVES)
                 out += gather(f"zero3.backward_gather.{label}", matrices * micro,
                               elements=elements - layered_vectors, leaves=matrices)
         remaining = elements / leaves

@@ -142,6 +142,7 @@ def plan_sharding(
     rules: Rules = DEFAULT_RULES,
     offload_optimizer: bool = False,
     offload_params: bool = False,
+    zero_beside: bool = True,
 ) -> Plan:
     """Plans the sharding of params, gradients and optimizer state.
 
@@ -155,6 +156,8 @@ def plan_sharding(
       rules: ordered logical-axis rules.
       offload_optimizer: keep the optimizer state in `pinned_host` memory between steps.
       offload_params: keep the (stage-3 sharded) params in `pinned_host` memory too.
+      zero_beside: ZeRO may join a dimension a model axis splits (`zero_spec`'s `beside`;
+        False for the explicit ZeRO-3 step).
 
     Returns:
       A `Plan`.
@@ -172,7 +175,7 @@ def plan_sharding(
     else:
         names = treedef.flatten_up_to(logical_axes) if logical_axes is not None else [None] * len(flat)
     leaves = [
-        _plan_leaf(path, leaf, _as_names(name), mesh, stage, rules)
+        _plan_leaf(path, leaf, _as_names(name), mesh, stage, rules, zero_beside)
         for (path, leaf), name in zip(flat, names)
     ]
     return Plan(
@@ -191,11 +194,12 @@ def _as_names(logical) -> Logical:
     return tuple(logical)
 
 
-def _plan_leaf(path, leaf, logical: Logical, mesh: Mesh, stage: int, rules: Rules) -> LeafPlan:
+def _plan_leaf(path, leaf, logical: Logical, mesh: Mesh, stage: int, rules: Rules,
+               zero_beside: bool) -> LeafPlan:
     shape = tuple(leaf.shape)
     param_axes = {**mesh.shape, **{axis: 1 for axis in ACTIVATION_ONLY_AXES}}
     base, notes = logical_to_spec(logical, shape, param_axes, rules)
-    sharded, note = zero_spec(base, shape, mesh.shape, logical=logical)
+    sharded, note = zero_spec(base, shape, mesh.shape, logical=logical, beside=zero_beside)
     if note and stage > 0:
         notes.append(note)
     return LeafPlan(

@@ -27,6 +27,7 @@ def zero_spec(
     *,
     logical: Sequence[str | None] | None = None,
     dp_axes: Sequence[str] = ZERO_AXES,
+    beside: bool = True,
 ) -> tuple[P, str]:
     """Adds the free data-parallel axes to one dimension of `spec`, chosen by divisibility.
 
@@ -41,6 +42,10 @@ def zero_spec(
       mesh_shape: mesh axis name → size.
       logical: the logical names, to skip `layers`/`stage` dimensions.
       dp_axes: the axes ZeRO shards over (data-parallel and sequence).
+      beside: whether ZeRO may join a dimension another axis splits already (`tensor` on
+        `vocab`). False for the explicit ZeRO-3 step: its gathers run inside each group of
+        the other axes, where such a dimension's ZeRO shards are not one contiguous block
+        (`jaxspeed.sharding.zero_collectives.gather_leaves`).
 
     Returns:
       The new spec and a note ('' when all free data-parallel axes were placed).
@@ -53,7 +58,7 @@ def zero_spec(
     names = tuple(logical or ()) + (None,) * (len(shape) - len(logical or ()))
     avoid = {i for i, n in enumerate(names) if n in _AVOID}
     order = sorted(
-        (i for i in range(len(shape)) if i not in avoid),
+        (i for i in range(len(shape)) if i not in avoid and (beside or not entries[i])),
         key=lambda i: (names[i] != "vocab", bool(entries[i]), -shape[i]),
     )
     candidates = [free] + ([(a,) for a in free] if len(free) > 1 else [])

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxspeed.ops import quantize as qz
 from jaxspeed.runtime.mesh import DATA, EXPERT, HOST
@@ -93,10 +94,14 @@ class LeafGather(NamedTuple):
     """How one stored leaf is gathered: the dimension ZeRO split, over which manual axes.
 
     `axes` are in the spec's order (major first: `data` before `host`, see `ZERO_AXES`).
+    `kept` is the stored spec's entries on the map's other axes (`tensor`), one per
+    dimension: the leaf stays split over them, and its gather runs inside each of their
+    groups (`gather_leaves`).
     """
 
     dim: int
     axes: tuple[str, ...]
+    kept: tuple = ()
 
     def stages(self, hpz: bool) -> tuple[tuple[str, ...], ...]:
         """The gathers, in order: with hpZ `host` alone first, then the rest; else one."""
@@ -104,9 +109,14 @@ class LeafGather(NamedTuple):
             return (HOST,), tuple(a for a in self.axes if a != HOST)
         return (self.axes,)
 
+    @property
+    def kept_axes(self) -> tuple[str, ...]:
+        """The other axes the leaf stays split over (`kept`'s, flattened)."""
+        return tuple(a for e in self.kept for a in _named(e))
+
     def sliced(self) -> LeafGather:
         """The same gather for one slice of a scanned stack (the leading `layers` dim gone)."""
-        return self._replace(dim=self.dim - 1)
+        return self._replace(dim=self.dim - 1, kept=self.kept[1:])
 
 
 def _named(entry) -> tuple[str, ...]:
@@ -118,19 +128,28 @@ def leaf_gather(spec, gathered=(), manual: tuple[str, ...] = MANUAL_AXES) -> Lea
 
     `gathered` is the spec the step computes with (`LeafPlan.gathered`): its axes split the
     leaf for the model (an expert weight's `expert` dimension), not for ZeRO, and stay.
+    The ZeRO dimension has no other axis: inside a group of one (`kept`), its ZeRO shards
+    would not make one contiguous block (`zero_spec`'s `beside`).
     """
+    kept = tuple(_spec_entry(tuple(a for a in _named(e) if a not in manual)) for e in spec)
     for dim, entry in enumerate(spec):
-        kept = _named(gathered[dim]) if dim < len(gathered) else ()
-        axes = tuple(a for a in _named(entry) if a in manual and a not in kept)
+        model = _named(gathered[dim]) if dim < len(gathered) else ()
+        axes = tuple(a for a in _named(entry) if a in manual and a not in model)
         if axes:
-            return LeafGather(dim, axes)
+            if _named(entry) != axes:
+                raise ValueError(f"{spec}: dimension {dim} is split over {_named(entry)}; "
+                                 f"an explicit ZeRO gather needs it split over {axes} alone")
+            return LeafGather(dim, axes, kept if any(kept) else ())
     return None
+
+
+def _spec_entry(axes: tuple[str, ...]):
+    return axes[0] if len(axes) == 1 else (axes or None)
 
 
 def manual_spec(spec, manual: tuple[str, ...] = MANUAL_AXES):
     """`spec` with only the `manual` axes: a stored leaf's `shard_map` spec."""
-    entries = [tuple(a for a in _named(e) if a in manual) for e in spec]
-    return jax.sharding.PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries))
+    return P(*(_spec_entry(tuple(a for a in _named(e) if a in manual)) for e in spec))
 
 
 class _Gather(NamedTuple):  # static (hashable) arguments of `gather_stage`
@@ -271,50 +290,107 @@ def gather_leaves(xs, leaves, parts, *, dtype, switches: Switches) -> list:
     the same axes at the same stage move together, one collective a direction
     (`gather_group`) where `switches.grouped`, in runs of whole leaves of at most
     `switches.bucket` gathered elements (`_buckets`), else leaf by leaf (`gather_stage`).
-    Leaves that are not floating pass through unchanged.
+    Leaves that are not floating pass through unchanged. Leaves split over another axis of
+    the step's map too (`LeafGather.kept`: `tensor`) are gathered inside a `shard_map` manual
+    over it: around a collective over the manual axes, XLA would first gather them whole
+    over the automatic ones.
 
     The runs bound what the step holds twice: each run's gathered buffer until it is cut
     into its leaves, and in the backward pass its fp32 gradients. In one buffer, the 100M
     model gathered once per step peaked at 942 MiB against the sharding path's 676; in runs
     of 2**22 elements at 682 (`zero_memory.py`)."""
-    out = list(xs)
     stages = [part_stages(leaf.stages(switches.hpz), part, switches.hpz)
               if leaf is not None and jnp.issubdtype(x.dtype, jnp.floating) else ()
               for x, leaf, part in zip(xs, leaves, parts)]
-    for depth in range(max(map(len, stages), default=0)):
+    out = list(xs)
+    moving = [i for i, s in enumerate(stages) if s]
+    for split in (False, True):  # never in one buffer: it would vary over the groups' axes
+        members = [i for i in moving if bool(leaves[i].kept_axes) is split]
+        if not members:
+            continue
+        op = _Stages(tuple(leaves[i].dim for i in members), tuple(stages[i] for i in members),
+                     jnp.dtype(dtype), switches)
+        ys = tuple(xs[i] for i in members)
+        if split:
+            done = _in_groups(ys, op, tuple(P(*leaves[i].kept) for i in members))
+        else:
+            done = _run_stages(ys, op)
+        for i, x in zip(members, done):
+            out[i] = x
+    return [x.astype(dtype) if part != "secondary" and jnp.issubdtype(x.dtype, jnp.floating)
+            else x for x, part in zip(out, parts)]
+
+
+class _Stages(NamedTuple):  # static (hashable) arguments of `_run_stages`
+    dims: tuple[int, ...]
+    stages: tuple[tuple[tuple[str, ...], ...], ...]
+    dtype: Any
+    switches: Switches
+
+
+def _run_stages(xs, op: _Stages) -> tuple:
+    """`xs[i]` through its `op.stages[i]` (split on `op.dims[i]`), stage by stage, the leaves
+    at the same stage over the same axes together (`gather_leaves`)."""
+    out, dims, switches = list(xs), op.dims, op.switches
+    for depth in range(max(map(len, op.stages), default=0)):
         together: dict[tuple[str, ...], list[int]] = {}
-        for i, leaf_stages in enumerate(stages):
+        for i, leaf_stages in enumerate(op.stages):
             if depth < len(leaf_stages):
                 together.setdefault(leaf_stages[depth], []).append(i)
         for axes, members in together.items():
-            dims = [leaves[i].dim for i in members]
             if switches.grouped:
                 peers = jax.lax.axis_size(axes)
                 done = []
                 for run in _buckets([out[i].size * peers for i in members], switches.bucket):
                     done += gather_group([out[members[k]] for k in run], axes,
-                                         [dims[k] for k in run], dtype=dtype, switches=switches)
+                                         [dims[members[k]] for k in run], dtype=op.dtype,
+                                         switches=switches)
             else:
-                done = [gather_stage(out[i], axes, dim, dtype=dtype, switches=switches)
-                        for i, dim in zip(members, dims)]
+                done = [gather_stage(out[i], axes, dims[i], dtype=op.dtype, switches=switches)
+                        for i in members]
             for i, x in zip(members, done):
                 out[i] = x
-    return [x.astype(dtype) if part != "secondary" and jnp.issubdtype(x.dtype, jnp.floating)
-            else x for x, part in zip(out, parts)]
+    return tuple(out)
+
+
+def _groups_map(fn, specs):
+    """`fn` in a `shard_map` manual over the axes `specs` name (the leaves' `kept` ones); its
+    argument and its result each a tuple of leaves split as `specs`."""
+    model = {a for spec in specs for e in spec for a in _named(e)}
+    return jax.shard_map(fn, in_specs=(specs,), out_specs=specs, axis_names=model)
+
+
+def _in_groups(xs, op: _Stages, specs):
+    """`_run_stages` inside each group of the leaves' other axes (`LeafGather.kept`), in a
+    `jax.checkpoint` that saves nothing: under the model's remat, the nested `shard_map`
+    would otherwise be split into a saved and a recomputed part, and jax 0.12 names the outer
+    map's manual axes in the saved values' specs (qwZ's constants), which Shardy refuses.
+    `not_gathered` looks inside it."""
+    run = _groups_map(lambda ys: _run_stages(ys, op), specs)
+    return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(xs)
 
 
 def not_gathered(prim, *_, **params) -> bool:
     """A remat policy: every value is saved for the backward pass but what a ZeRO gather
     produced, so the backward pass gathers it again (DeepSpeed's ZeRO-3 releases a layer's
     params after its forward pass). A gather is a `custom_vjp` whose primal holds an
-    `all_gather`, or the `ppermute`s of a two-stage one (its `call_jaxpr`, as jax 0.11 and
-    0.12 name it)."""
-    if prim.name != "custom_vjp_call":
+    `all_gather`, or the `ppermute`s of a two-stage one, anywhere inside (its `call_jaxpr`,
+    as jax 0.11 and 0.12 name it; `_in_groups` nests them in a `shard_map`)."""
+    if prim.name not in ("custom_vjp_call", "checkpoint"):
         return True
-    jaxpr = params.get("call_jaxpr")
+    return not _moves(params.get("call_jaxpr", params.get("jaxpr")))
+
+
+def _moves(jaxpr) -> bool:
+    """Whether `jaxpr` (or a jaxpr nested in one of its equations) gathers or permutes."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    return not any(eqn.primitive.name in ("all_gather", "ppermute")
-                   for eqn in getattr(jaxpr, "eqns", ()))
+    for eqn in getattr(jaxpr, "eqns", ()):
+        if eqn.primitive.name in ("all_gather", "ppermute"):
+            return True
+        if any(_moves(v) for v in eqn.params.values() if hasattr(v, "eqns")
+               or hasattr(getattr(v, "jaxpr", None), "eqns")):
+            return True
+    return False
 
 
 def gather_tree(tree, leaves: Mapping[str, LeafGather | None], *, dtype, switches: Switches,

@@ -52,7 +52,8 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
                  recompute: bool = False, accumulation: int = 1) -> Traffic:
     """Bytes each ZeRO-3 collective moves per device and per step, intra- and cross-host.
 
-    Pure arithmetic over the leaves' full shapes and their `LeafGather`s, as
+    Pure arithmetic over the leaves' full shapes and their `LeafGather`s (a leaf split over
+    `tensor` too moves its tensor part, inside each tensor group), as
     `jaxspeed.train.zero_step` runs them. A ring collective over `peers` devices sends
     `(peers - 1)` shards (all-gather) or chunks (reduce-scatter, fp32); qgZ's all-to-all sends
     `(peers - 1)` quantized chunks per axis; shards too small to gain from quantizing move as
@@ -61,7 +62,8 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
     a `layered` one (a scanned stack the model gathers layer by layer) once per microbatch,
     and again by the backward pass: each layer's matrices always, its vectors (norm scales,
     biases, saved in their broadcast form without remat) only when `recompute` or when they
-    move in one buffer with the matrices (`Switches.grouped`); hpZ's `host` stage of it
+    move in one buffer with the matrices (`Switches.grouped`, and the matrices not split over
+    `tensor`, which moves them apart); hpZ's `host` stage of it
     once; every gradient is reduce-scattered once per microbatch.
 
     Args:
@@ -85,10 +87,15 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
     def add(name: str, axes, nbytes: int) -> None:
         totals[name][1 if HOST in axes else 0] += nbytes
 
+    # the leaves split over `tensor` move apart from the rest (`gather_leaves`): a layer's
+    # vectors then never share a buffer with its matrices
+    split = {bool(leaf.kept_axes) for path, leaf in gathers.items()
+             if leaf is not None and layered.get(path) and len(shapes[path]) > 2}
     for path, leaf in gathers.items():
         if leaf is None:
             continue
-        size = math.prod(shapes[path])
+        # a device's part of the leaf: split over `tensor` too, it gathers inside its group
+        size = math.prod(shapes[path]) // math.prod(mesh_shape[a] for a in leaf.kept_axes)
         shard = size // math.prod(mesh_shape[a] for a in leaf.axes)
         per_layer = bool(layered.get(path))
         stages = leaf.stages(switches.hpz)
@@ -102,7 +109,8 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
             elif per_layer:
                 add("forward_gather", axes, nbytes * accumulation)
                 # a matrix of each layer; a vector too when it moves with them
-                if recompute or len(shapes[path]) > 2 or switches.grouped:
+                if recompute or len(shapes[path]) > 2 or (
+                        switches.grouped and split <= {bool(leaf.kept_axes)}):
                     add("backward_gather", axes, nbytes * accumulation)
             else:
                 add("forward_gather", axes, nbytes)

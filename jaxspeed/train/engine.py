@@ -39,7 +39,7 @@ from jaxspeed.train.onebit_step import state_specs as onebit_state_specs
 from jaxspeed.optim.factory import onebit_phases
 from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
 from jaxspeed.train.step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
-from jaxspeed.train.zero_step import explicit_zero, gathered_once
+from jaxspeed.train.zero_step import explicit_zero, gathered_once, runs_explicit
 
 
 class Engine:
@@ -392,6 +392,7 @@ def initialize(
         rules=rules,
         offload_optimizer=zero.offload_optimizer.device == "cpu",
         offload_params=zero.offload_param.device == "cpu",
+        zero_beside=not runs_explicit(config, mesh),
     )
     return Engine(
         config=config, mesh=mesh, fns=fns, plan=plan, loss_fn=loss_fn or lm_loss, model=model,

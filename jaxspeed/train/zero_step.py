@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
 from jaxspeed.runtime.distributed import over_gloo, process_count
-from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE, TENSOR
+from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE
 from jaxspeed.sharding.leaves import LeafPlan
 from jaxspeed.sharding.planner import Plan
 from jaxspeed.sharding import zero_collectives as zc
@@ -184,10 +184,7 @@ def _is_gather(x) -> bool:
 def _unsupported(config, mesh: Mesh) -> str | None:
     """Why stage 3 cannot run with explicit collectives here (None: it can)."""
     zero = config.zero_optimization
-    # `tensor` too: around collectives over the manual axes of a partially manual
-    # `shard_map`, XLA replicates the operands over the automatic ones, so each gather and
-    # reduce-scatter would first all-gather the weights / gradients over `tensor`.
-    for axis in (PIPE, SEQUENCE, TENSOR):
+    for axis in (PIPE, SEQUENCE):
         if mesh.shape.get(axis, 1) > 1:
             return f"mesh.{axis}={mesh.shape[axis]}"
     if zero.offload_param.device != "none":
