@@ -66,6 +66,12 @@ CONFIGS: dict[str, Case] = {
     "zeropp": Case("zero3", (*_ZERO3, "zero_optimization.zero_quantized_weights=true",
                              "zero_optimization.zero_quantized_gradients=true",
                              "zero_optimization.zero_hpz_partition_size=2")),
+    # tensor parallelism inside each host, ZeRO-3 across the two (issue 58): qwZ and qgZ on
+    # the tensor parts (hpZ has no ZeRO group inside a host to use here)
+    "zero3_tp": Case(None, (*_ZERO3, "mesh.tensor=2")),
+    "zeropp_tp": Case("zero3_tp", (*_ZERO3, "mesh.tensor=2",
+                                   "zero_optimization.zero_quantized_weights=true",
+                                   "zero_optimization.zero_quantized_gradients=true")),
     "adamw": Case(None),
     "onebit_adam": Case("adamw", ("optimizer.type=OneBitAdam",),
                         ("optimizer.params.freeze_step={freeze}",)),

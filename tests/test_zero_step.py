@@ -40,6 +40,13 @@ TENSOR2 = ["mesh.data=4", "mesh.tensor=2", "mesh.hosts=2", Z + "stage=3",
 CASES = {
     "hosts2/layer/remat": [*HOSTS2, "activation_checkpointing.policy=full"],
     "hosts2/tensor2/layer": TENSOR2,
+    # ZeRO-Offload: the layers' shards streamed in one at a time, the update on the device;
+    # beside tensor, the update on the host (CPU-Adam)
+    "hosts2/offload/layer": [*HOSTS2, Z + "offload_param.device=cpu",
+                             Z + "offload_optimizer.device=cpu"],
+    "hosts2/tensor2/offload-host-update": [
+        *TENSOR2, Z + "offload_param.device=cpu", Z + "offload_optimizer.device=cpu",
+        Z + "offload_optimizer.update_on=host"],
     "data8/layer/accum2": ["mesh.data=8", Z + "stage=3", Z + "max_live_parameters=0",
                            Z + "collectives=explicit",
                            "gradient_accumulation_steps=2"],
@@ -247,8 +254,8 @@ def test_plan_traffic_is_what_the_zero3_step_moves(overrides, per_layer):
     ([*HOSTS2, Z + "zero_hpz_partition_size=2"], r"zero_hpz_partition_size=2: accepted .* 4"),
     (["mesh.data=4", "mesh.pipe=2", "pipeline.num_microbatches=2", Z + "stage=3",
       Z + "zero_quantized_weights=true"], r"zero_quantized_weights .* mesh.pipe=2"),
-    ([Z + "stage=3", Z + "offload_param.device=cpu", Z + "collectives=explicit"],
-     r"collectives=explicit .* offload_param"),
+    (["mesh.data=4", "mesh.sequence=2", Z + "stage=3", Z + "collectives=explicit"],
+     r"collectives=explicit .* mesh.sequence=2"),
     (["mesh.data=4", "mesh.sequence=2", Z + "stage=3", Z + "zero_quantized_gradients=true"],
      r"zero_quantized_gradients .* mesh.sequence=2"),
     (["mesh.data=4", "mesh.hosts=2", "mesh.expert=2", Z + "stage=3",

@@ -274,8 +274,14 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     next_rng, step_rng = jax.random.split(state.rng)
     fp8_meta = state.fp8_meta
     if spec.explicit_zero is not None:  # with no FP8 meta (`zero_step._unsupported`)
+        off = spec.offload or OffloadSpec()
+        params = state.params
+        if off.params is not None:
+            params = jax.tree.map(lambda x, s, where: x if s else offload.to_device(x, where),
+                                  params, off.streamed or jax.tree.map(lambda _: False, params),
+                                  off.params)
         loss, extras, grads = spec.explicit_zero.loss_and_grads(
-            spec, state.params, batch, step_rng, scale)
+            spec, params, batch, step_rng, scale)
     else:
         micro = split_microbatches(batch, spec.accumulation, data_parallel, spec.micro_sharding)
         loss, extras, grads, fp8_meta = _loss_and_grads(

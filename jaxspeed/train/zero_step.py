@@ -2,8 +2,11 @@
 axes `host`, `data` and `expert`.
 
 Inside the map each data-parallel worker holds its rows, its ZeRO shard of every param and,
-with an expert axis, its experts (every other mesh axis has size 1: see `_unsupported`); the
-MoE layers exchange tokens with the experts' owners inside the map. The loss is differentiated
+with an expert axis, its experts; the MoE layers exchange tokens with the experts' owners
+inside the map. `tensor` stays automatic: the weights stay split over it, and the leaves
+split over it gather inside each tensor group (`zero_collectives.gather_leaves`). `pipe` and
+`sequence` must have size 1 (`_unsupported`). With `offload_param`, the shards live on the
+host and come in where they are gathered (a layer's one layer at a time). The loss is differentiated
 w.r.t. the shards; the gathers (`jaxspeed.sharding.zero_collectives`) run where the params are
 used, and their transposes reduce-scatter the gradients, so each worker ends with the gradient
 of its own shard, summed over workers in fp32, and the update runs on shards as with the
@@ -34,6 +37,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
+from jaxspeed.ops import offload
 from jaxspeed.runtime.distributed import over_gloo, process_count
 from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE
 from jaxspeed.sharding.leaves import LeafPlan
@@ -99,8 +103,12 @@ class ZeroStep:
     def _step_gather(self, params):
         """The once-per-step gathers: whole leaves, or hpZ's secondary copy of layered ones."""
         xs, treedef = jax.tree.flatten(params)
-        parts = ["secondary" if layered else "all"
-                 for layered in treedef.flatten_up_to(self.layered)]
+        layered = treedef.flatten_up_to(self.layered)
+        parts = ["secondary" if one else "all" for one in layered]
+        # streamed (`offload_param`): a layer's shards come in one layer at a time
+        # (`_gather_layer`), hpZ's secondary copy of them before the microbatches
+        xs = [_on_device(x) if not one or self.switches.hpz else x
+              for x, one in zip(xs, layered)]
         return treedef.unflatten(zc.gather_leaves(
             xs, treedef.flatten_up_to(self.gathers), parts, dtype=self.compute_dtype,
             switches=self.switches))
@@ -187,10 +195,6 @@ def _unsupported(config, mesh: Mesh) -> str | None:
     for axis in (PIPE, SEQUENCE):
         if mesh.shape.get(axis, 1) > 1:
             return f"mesh.{axis}={mesh.shape[axis]}"
-    if zero.offload_param.device != "none":
-        return f"offload_param.device={zero.offload_param.device}"
-    if zero.offload_optimizer.device != "none":
-        return f"offload_optimizer.device={zero.offload_optimizer.device}"
     if config.fp8.enabled and config.fp8.recipe == "delayed":  # its state is not carried there
         return "fp8.recipe=delayed"
     if zero.fp8_all_gather:  # the sharding path gathers what the FP8 matmuls read
@@ -262,8 +266,8 @@ def runs_explicit(config, mesh: Mesh) -> bool:
     explicit step was 1.08x faster on an AVX-512 one, `zero_paths.py`) and where the explicit
     step peaked higher until its groups moved in runs of whole leaves (now within 1.5% on
     `zero_memory.py`'s 100M model; benchmarks/README). `explicit` and the ZeRO++
-    switches refuse (one `ConfigError`) where they cannot run: a pipeline, a sequence or tensor
-    axis, offload. With an `expert` axis the MoE layers exchange tokens inside the step's map
+    switches refuse (one `ConfigError`) where they cannot run: a pipeline or a sequence axis,
+    delayed FP8 scaling, `fp8_all_gather`. With an `expert` axis the MoE layers exchange tokens inside the step's map
     (`jaxspeed.moe.parallel.moe_ffn`).
     """
     zero = config.zero_optimization
@@ -312,8 +316,7 @@ def explicit_zero(config, mesh: Mesh, plan: Plan, model, *, compute_dtype,
     gathers = _leaves(plan, lambda leaf: zc.leaf_gather(leaf.param, leaf.gathered))
     from jaxspeed.models.gpt import GPT
 
-    per_layer = (isinstance(model, GPT) and model.stream_layers is None
-                 and param_count > zero.max_live_parameters)
+    per_layer = isinstance(model, GPT) and param_count > zero.max_live_parameters
     layered = _leaves(plan, lambda leaf: per_layer and (leaf.logical or ())[:1] == ("layers",))
     step = ZeroStep(mesh=mesh, rules=_local_rules(plan.rules, zc.MANUAL_AXES),
                     specs=_leaves(plan, lambda leaf: zc.manual_spec(leaf.param)),
@@ -338,12 +341,19 @@ def _flat(tree) -> dict[str, Any]:
 
 
 def _gather_layer(variables, *, gathers, dtype, switches):
-    """`GPT.gather_layers`: one scanned unit's `{"params": ...}` gathered for its use."""
+    """`GPT.gather_layers`: one scanned unit's `{"params": ...}` gathered for its use; with
+    `offload_param`, its shards streamed in from the host first (one layer at a time)."""
     def one(collection):
-        prefixed = {"layers": collection}
+        prefixed = {"layers": jax.tree.map(_on_device, collection)}
         out = zc.gather_tree(prefixed, gathers, dtype=dtype, switches=switches, part="use")
         return out["layers"]
     return {name: one(tree) for name, tree in variables.items()}
+
+
+def _on_device(x):
+    """A host-resident shard (`offload_param`) in device memory; its gradient goes back to the
+    host, where the step's update takes it (`OffloadSpec.streamed`)."""
+    return jax.device_put(x, jax.memory.Space.Device) if offload.in_host(x) else x
 
 
 def step_traffic(config, plan: Plan, *, reference_model: bool = True) -> zt.Traffic | None:
