@@ -68,8 +68,8 @@ CONFIGS: dict[str, Case] = {
                              "zero_optimization.zero_hpz_partition_size=2")),
     # tensor parallelism inside each host, ZeRO-3 across the two (issue 58): qwZ and qgZ on
     # the tensor parts (hpZ has no ZeRO group inside a host to use here)
-    "zero3_tp": Case(None, (*_ZERO3, "mesh.tensor=2")),
-    "zeropp_tp": Case("zero3_tp", (*_ZERO3, "mesh.tensor=2",
+    "zero3_tp": Case(None, (*_ZERO3, "mesh.tensor=2", "mesh.data=2")),
+    "zeropp_tp": Case("zero3_tp", (*_ZERO3, "mesh.tensor=2", "mesh.data=2",
                                    "zero_optimization.zero_quantized_weights=true",
                                    "zero_optimization.zero_quantized_gradients=true")),
     "adamw": Case(None),

@@ -173,6 +173,34 @@ def test_a_save_that_fails_on_one_process_stops_both_at_once(tmp_path, env):
     assert match[2] in steps  # the intact one is still there
 
 
+def test_a_save_that_fails_in_one_process_ends_it_at_once(tmp_path, env):
+    """A read-only checkpoints folder under one process: its line, exit 2, at once. The run
+    joined Orbax's threads of the failed write at exit, until Orbax's timeout (300 s)."""
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({**TINY, "steps": 4, "checkpoint": {"every_n_steps": 2}}))
+    train = [*CLI, "train", str(config), "--output", str(tmp_path / "A"), "--no-progress",
+             "--cpu-devices", "4"]
+    first = subprocess.run(train, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = tmp_path / "A" / "checkpoints"
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "--bind", "-o", "ro", str(checkpoints), str(checkpoints)]).returncode:
+        pytest.skip("needs root for a read-only bind mount")
+    try:
+        start = time.monotonic()
+        run = subprocess.run([*train, "--steps", "8"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=400)
+        elapsed = time.monotonic() - start
+    finally:
+        subprocess.run(["umount", str(checkpoints)], check=False)
+    output = run.stdout + run.stderr
+    assert run.returncode == 2, output[-3000:]
+    assert elapsed < 120, elapsed
+    assert re.search(r"error: cannot save step 6 in .*: Read-only file system.*"
+                     r"\(step 4 is the newest intact one\)", output), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
 def test_rank_killed_after_initialize(tmp_path, env):
     """A rank killed mid-run (after the start-up barrier) ends the run, named, in bounded time."""
     child = script(tmp_path, "kill9.py", """

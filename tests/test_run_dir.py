@@ -161,6 +161,19 @@ def test_an_output_that_cannot_be_created_is_one_line(tmp_path, capsys, monkeypa
         js.train_model(tiny_config(), output_dir=out, steps=2)
 
 
+def test_an_existing_output_the_file_system_refuses_is_one_line(tmp_path, capsys, monkeypatch):
+    """/sys/kernel exists, and root passes `os.access` there, but no file can be created."""
+    out = Path("/sys/kernel")
+    if not out.is_dir():
+        pytest.skip("needs Linux's /sys/kernel")
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(tiny_config().to_dict()))
+    monkeypatch.setattr(loop, "initialize", _not_reached)
+    assert main(["train", str(config), "--output", str(out), "--steps", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "/sys/kernel (--output) is not writable" in err[0], err
+
+
 def test_drop_records_after_keeps_the_steps_up_to_the_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4))

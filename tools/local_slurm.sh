@@ -20,7 +20,7 @@
 # the coordinator by the first node's name. `up` cleans up after itself when it fails.
 # A requeued job starts again within seconds here (cred_expire=5, sched_interval=2); on a
 # cluster with SLURM's defaults it waits about 2 minutes.
-set -euo pipefail
+set -Eeuo pipefail  # -E: the ERR trap of `up` fires inside its functions too
 
 DIR=${LOCAL_SLURM_DIR:-/tmp/jaxspeed-slurm}
 RATE=${RATE_MBIT:-0}
@@ -153,7 +153,7 @@ up() {
     exit 1
   fi
   install_slurm
-  trap 'echo "local_slurm.sh: up failed (logs: $DIR/log); cleaning up" >&2; KEEP_LOGS=1 down' ERR
+  trap 'trap - ERR; echo "local_slurm.sh: up failed (logs: $DIR/log); cleaning up" >&2; KEEP_LOGS=1 down' ERR
   rm -rf "$DIR"; mkdir -p "$DIR"
   echo "$count" >"$DIR/nodes"
   write_conf "$count"
@@ -222,5 +222,5 @@ run) shift; in_ctl "$@" ;;
 status) in_ctl sinfo ;;
 node-down) need_root; node_down "${2:-}" ;;
 node-up) need_root; node_up "${2:-}" ;;
-*) sed -n '2,/^set -e/{/^set -e/d;p}' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+*) sed -n '2,/^set -/{/^set -/d;p}' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac

@@ -162,10 +162,14 @@ def save_failed(ckpt: Checkpointer, failed: BaseException | None) -> BaseExcepti
     own error, or a line saying that another process's failed. The processes whose writes
     went through wait for the failed one at Orbax's barrier: they stop waiting (`abandon`),
     and with several processes the error is a `SaveFailedOnAProcess`, which the CLI ends at
-    once instead of joining Orbax's threads."""
+    once instead of joining Orbax's threads. With one process too: there the threads of the
+    failed write (a read-only folder) were joined at exit, until Orbax's timeout (300 s)."""
     ckpt.abandon()
-    if jax.process_count() == 1 or not (failed is None or isinstance(failed, CheckpointError)):
-        return failed  # one process, or a bug in the save: its traceback
+    if not (failed is None or isinstance(failed, CheckpointError)):
+        return failed  # a bug in the save: its traceback
+    if jax.process_count() == 1:
+        failed.exit_now = True  # as `SaveFailedOnAProcess`
+        return failed
     if failed is not None:
         return SaveFailedOnAProcess(str(failed))
     step = ckpt.saving

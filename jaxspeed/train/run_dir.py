@@ -126,6 +126,9 @@ def _create(lock: Path, host: str) -> bool:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    except OSError as err:  # root passes `os.access` where the file system refuses (/sys)
+        raise ConfigError(f"output folder {lock.parent} (--output) is not writable: "
+                          f"{err.strerror or err}") from None
     holder: dict[str, Any] = {"pid": os.getpid(), "host": host, "started": time.time()}
     slurm = _slurm_run()
     if slurm is not None:
