@@ -114,6 +114,11 @@ class LeafGather(NamedTuple):
         """The other axes the leaf stays split over (`kept`'s, flattened)."""
         return tuple(a for e in self.kept for a in _named(e))
 
+    def order(self, hpz: bool) -> tuple[str, ...]:
+        """The axes, major first, in which `stages(hpz)` leave the gathered blocks: each
+        stage's all-gather puts its axes above the earlier stages' (`reorder_blocks`)."""
+        return tuple(a for axes in reversed(self.stages(hpz)) for a in axes)
+
     def sliced(self) -> LeafGather:
         """The same gather for one slice of a scanned stack (the leading `layers` dim gone)."""
         return self._replace(dim=self.dim - 1, kept=self.kept[1:])
@@ -317,8 +322,22 @@ def gather_leaves(xs, leaves, parts, *, dtype, switches: Switches) -> list:
             done = _run_stages(ys, op)
         for i, x in zip(members, done):
             out[i] = x
+    for i in moving:  # hpZ's host stage first: the blocks back into the spec's order
+        leaf = leaves[i]
+        if parts[i] != "secondary" and leaf.order(switches.hpz) != leaf.axes:
+            out[i] = reorder_blocks(out[i], leaf.dim, leaf.order(switches.hpz), leaf.axes)
     return [x.astype(dtype) if part != "secondary" and jnp.issubdtype(x.dtype, jnp.floating)
             else x for x, part in zip(out, parts)]
+
+
+def reorder_blocks(x: jax.Array, dim: int, have: tuple[str, ...], want: tuple[str, ...]):
+    """`x`'s dimension `dim`, one block per device of the axes `have` (major first), with its
+    blocks in the order of `want` (the same axes): a local transpose (inside `shard_map`)."""
+    sizes = [jax.lax.axis_size(a) for a in have]
+    split = x.reshape(*x.shape[:dim], *sizes, -1, *x.shape[dim + 1:])
+    moved = jnp.moveaxis(split, [dim + have.index(a) for a in want],
+                         list(range(dim, dim + len(want))))
+    return moved.reshape(x.shape)
 
 
 class _Stages(NamedTuple):  # static (hashable) arguments of `_run_stages`

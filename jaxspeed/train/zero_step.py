@@ -226,18 +226,16 @@ def switches_of(zero, *, gloo: bool = False) -> zc.Switches:
 
 
 def check_hpz(size: int, mesh: Mesh) -> None:
-    """`zero_hpz_partition_size` is 1 (off) or the ZeRO group within a host (`data` per host),
-    without an expert axis (its secondary copy is split data-major; `expert` is more minor)."""
-    if size > 1 and mesh.shape.get(EXPERT, 1) > 1:
-        raise ConfigError(
-            f"zero_optimization.zero_hpz_partition_size={size} needs mesh.expert=1 (got "
-            f"{mesh.shape[EXPERT]}): hpZ's group is mesh.data within a host")
-    intra = mesh.shape.get(DATA, 1)
+    """`zero_hpz_partition_size` is 1 (off) or the dense weights' ZeRO group within a host
+    (`data` per host, times `expert`: the expert weights' group is `data` alone)."""
+    intra = mesh.shape.get(DATA, 1) * mesh.shape.get(EXPERT, 1)
     if size not in (1, intra):
+        expert = f" x mesh.expert {mesh.shape[EXPERT]}" if mesh.shape.get(EXPERT, 1) > 1 else ""
         raise ConfigError(
             f"zero_optimization.zero_hpz_partition_size={size}: accepted values are 1 (off) or "
             f"{intra} (the ZeRO group within a host: mesh.data / mesh.hosts = "
-            f"{intra * mesh.shape.get(HOST, 1)} / {mesh.shape.get(HOST, 1)})"
+            f"{mesh.shape.get(DATA, 1) * mesh.shape.get(HOST, 1)} / {mesh.shape.get(HOST, 1)}"
+            f"{expert})"
         )
 
 
