@@ -142,7 +142,7 @@ def plan_sharding(
     rules: Rules = DEFAULT_RULES,
     offload_optimizer: bool = False,
     offload_params: bool = False,
-    zero_beside: bool = True,
+    explicit_zero3: bool = False,
 ) -> Plan:
     """Plans the sharding of params, gradients and optimizer state.
 
@@ -156,8 +156,8 @@ def plan_sharding(
       rules: ordered logical-axis rules.
       offload_optimizer: keep the optimizer state in `pinned_host` memory between steps.
       offload_params: keep the (stage-3 sharded) params in `pinned_host` memory too.
-      zero_beside: ZeRO may join a dimension a model axis splits (`zero_spec`'s `beside`;
-        False for the explicit ZeRO-3 step).
+      explicit_zero3: the explicit ZeRO-3 step runs (`jaxspeed.train.zero_step`): ZeRO keeps
+        off the dimensions a model axis splits (`zero_spec`'s `beside`).
 
     Returns:
       A `Plan`.
@@ -175,7 +175,7 @@ def plan_sharding(
     else:
         names = treedef.flatten_up_to(logical_axes) if logical_axes is not None else [None] * len(flat)
     leaves = [
-        _plan_leaf(path, leaf, _as_names(name), mesh, stage, rules, zero_beside)
+        _plan_leaf(path, leaf, _as_names(name), mesh, stage, rules, explicit_zero3)
         for (path, leaf), name in zip(flat, names)
     ]
     return Plan(
@@ -195,11 +195,12 @@ def _as_names(logical) -> Logical:
 
 
 def _plan_leaf(path, leaf, logical: Logical, mesh: Mesh, stage: int, rules: Rules,
-               zero_beside: bool) -> LeafPlan:
+               explicit_zero3: bool) -> LeafPlan:
     shape = tuple(leaf.shape)
     param_axes = {**mesh.shape, **{axis: 1 for axis in ACTIVATION_ONLY_AXES}}
     base, notes = logical_to_spec(logical, shape, param_axes, rules)
-    sharded, note = zero_spec(base, shape, mesh.shape, logical=logical, beside=zero_beside)
+    sharded, note = zero_spec(base, shape, mesh.shape, logical=logical,
+                              beside=not explicit_zero3)
     if note and stage > 0:
         notes.append(note)
     return LeafPlan(
