@@ -66,6 +66,10 @@ CONFIGS: dict[str, Case] = {
     "zeropp": Case("zero3", (*_ZERO3, "zero_optimization.zero_quantized_weights=true",
                              "zero_optimization.zero_quantized_gradients=true",
                              "zero_optimization.zero_hpz_partition_size=2")),
+    # ZeRO's shards host-major against data-major (issue 58; over gloo `auto` is host-major
+    # without qgZ): a ring over a data-major group crosses the link at every edge
+    "zero3_data_major": Case(None, (*_ZERO3, "zero_optimization.shard_order=data")),
+    "zero3_host_major": Case("zero3_data_major", (*_ZERO3, "zero_optimization.shard_order=host")),
     # tensor parallelism inside each host, ZeRO-3 across the two (issue 58): qwZ and qgZ on
     # the tensor parts (hpZ has no ZeRO group inside a host to use here)
     "zero3_tp": Case(None, (*_ZERO3, "mesh.tensor=2", "mesh.data=2")),

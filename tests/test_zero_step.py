@@ -333,6 +333,38 @@ def test_max_reduce_scatter_elements_auto_cuts_finer_over_gloo():
     assert not over_gloo(js.initialize(tiny_config(*HOSTS2)).mesh.devices.flat)
 
 
+def test_host_major_shards_train_like_data_major_and_ring_inside_the_hosts(dataset):
+    """`shard_order: host`: the same sums as data-major (with hpZ, whose stages' blocks are put
+    back in order), and the all-gather over all 8 devices lists them host-major, so a ring
+    over the group crosses hosts at 2 of its 8 edges, not at every one."""
+    hpz = [*HOSTS2, Z + "zero_hpz_partition_size=4", "activation_checkpointing.policy=full"]
+    losses = {order: train(tiny_config(*hpz, Z + f"shard_order={order}"), dataset, 3)[2]
+              for order in ("host", "data")}
+    np.testing.assert_allclose(losses["host"], losses["data"], rtol=RHO)
+
+    def ring_crossings(order):
+        engine, text, ops = _step_collectives(*HOSTS2, Z + f"shard_order={order}")
+        host_of = _coordinates(engine.mesh, "host")
+        (group,) = {op.groups[0] for op in ops if op.kind == "all-gather"}
+        return sum(host_of[a] != host_of[b] for a, b in zip(group, group[1:] + group[:1]))
+
+    assert ring_crossings("host") == 2 and ring_crossings("data") == 8
+
+
+def test_shard_order_auto_is_host_major_over_gloo_without_qgz(monkeypatch):
+    from jaxspeed.train import zero_step
+
+    config = tiny_config(*HOSTS2)
+    mesh = js.initialize(config).mesh
+    assert not zero_step.host_major(config, mesh)  # in-process collectives: data-major
+    monkeypatch.setattr(zero_step, "over_gloo", lambda devices: True)
+    assert zero_step.host_major(config, mesh)
+    assert not zero_step.host_major(tiny_config(*HOSTS2, Z + "zero_quantized_gradients=true"),
+                                    mesh)
+    assert zero_step.host_major(tiny_config(*HOSTS2, Z + "zero_quantized_gradients=true",
+                                            Z + "shard_order=host"), mesh)
+
+
 def test_a_mesh_spans_hosts_with_a_host_axis_or_several_processes():
     """`collectives: auto` goes explicit across hosts: the slow link's `mesh.expert=4,
     mesh.data=1` has no `host` axis, its expert axis spans two processes."""

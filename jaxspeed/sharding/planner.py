@@ -10,12 +10,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.runtime.mesh import SEQUENCE, data_parallel_size
+from jaxspeed.runtime.mesh import SEQUENCE, ZERO_AXES, data_parallel_size
 from jaxspeed.ops.offload import DEVICE, HOST
 from jaxspeed.sharding.explain import explain_plan
 from jaxspeed.sharding.leaves import LeafPlan, Logical, flatten_leaf_plans, leaf_bytes
 from jaxspeed.sharding.rules import ACTIVATION_ONLY_AXES, DEFAULT_RULES, Rules, logical_to_spec
-from jaxspeed.sharding.zero import zero_spec
+from jaxspeed.sharding.zero import HOST_MAJOR_AXES, zero_spec
 from jaxspeed.tree_paths import key_names
 
 
@@ -143,6 +143,7 @@ def plan_sharding(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     explicit_zero3: bool = False,
+    host_major: bool = False,
 ) -> Plan:
     """Plans the sharding of params, gradients and optimizer state.
 
@@ -158,6 +159,7 @@ def plan_sharding(
       offload_params: keep the (stage-3 sharded) params in `pinned_host` memory too.
       explicit_zero3: the explicit ZeRO-3 step runs (`jaxspeed.train.zero_step`): ZeRO keeps
         off the dimensions a model axis splits (`zero_spec`'s `beside`).
+      host_major: ZeRO's shards host-major (`HOST_MAJOR_AXES`), else data-major.
 
     Returns:
       A `Plan`.
@@ -175,7 +177,8 @@ def plan_sharding(
     else:
         names = treedef.flatten_up_to(logical_axes) if logical_axes is not None else [None] * len(flat)
     leaves = [
-        _plan_leaf(path, leaf, _as_names(name), mesh, stage, rules, explicit_zero3)
+        _plan_leaf(path, leaf, _as_names(name), mesh, stage, rules, explicit_zero3,
+                   host_major)
         for (path, leaf), name in zip(flat, names)
     ]
     return Plan(
@@ -195,11 +198,12 @@ def _as_names(logical) -> Logical:
 
 
 def _plan_leaf(path, leaf, logical: Logical, mesh: Mesh, stage: int, rules: Rules,
-               explicit_zero3: bool) -> LeafPlan:
+               explicit_zero3: bool, host_major: bool) -> LeafPlan:
     shape = tuple(leaf.shape)
     param_axes = {**mesh.shape, **{axis: 1 for axis in ACTIVATION_ONLY_AXES}}
     base, notes = logical_to_spec(logical, shape, param_axes, rules)
     sharded, note = zero_spec(base, shape, mesh.shape, logical=logical,
+                              dp_axes=HOST_MAJOR_AXES if host_major else ZERO_AXES,
                               beside=not explicit_zero3)
     if note and stage > 0:
         notes.append(note)

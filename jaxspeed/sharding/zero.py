@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.runtime.mesh import ZERO_AXES
+from jaxspeed.runtime.mesh import DATA, HOST, ZERO_AXES
 from jaxspeed.sharding.rules import as_tuple, spec_entry
 
 #: Logical dimensions never chosen for ZeRO: scanned layers are sliced one at a time, so
@@ -71,3 +71,7 @@ def zero_spec(
                 note = "" if axes == free else f"ZeRO over {axes} only"
                 return P(*(spec_entry(e) for e in entries)), note
     return spec, f"ZeRO: no dimension of {tuple(shape)} divisible by {free}; replicated"
+
+
+#: `ZERO_AXES` host-major (`zero_optimization.shard_order: host`).
+HOST_MAJOR_AXES: tuple[str, ...] = (HOST, DATA, *(a for a in ZERO_AXES if a not in (HOST, DATA)))

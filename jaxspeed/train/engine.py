@@ -39,7 +39,7 @@ from jaxspeed.train.onebit_step import state_specs as onebit_state_specs
 from jaxspeed.optim.factory import onebit_phases
 from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
 from jaxspeed.train.step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
-from jaxspeed.train.zero_step import explicit_zero, gathered_once, runs_explicit
+from jaxspeed.train.zero_step import explicit_zero, gathered_once, host_major, runs_explicit
 
 
 class Engine:
@@ -393,6 +393,7 @@ def initialize(
         offload_optimizer=zero.offload_optimizer.device == "cpu",
         offload_params=zero.offload_param.device == "cpu",
         explicit_zero3=runs_explicit(config, mesh),
+        host_major=host_major(config, mesh),
     )
     return Engine(
         config=config, mesh=mesh, fns=fns, plan=plan, loss_fn=loss_fn or lm_loss, model=model,

@@ -287,6 +287,18 @@ def runs_explicit(config, mesh: Mesh) -> bool:
     return bool(wanted) or spans_hosts(mesh)
 
 
+def host_major(config, mesh: Mesh) -> bool:
+    """Whether the explicit step's ZeRO shards are host-major (`shard_order`): over gloo, a
+    data-major ring crosses hosts at every edge (a 3 MiB all-gather on the slow link took
+    0.40 s against 0.21 s host-major), unless qgZ, whose all-to-alls go major axis first."""
+    zero = config.zero_optimization
+    if not runs_explicit(config, mesh) or mesh.shape.get(HOST, 1) == 1:
+        return False
+    if zero.shard_order != "auto":
+        return zero.shard_order == "host"
+    return over_gloo(mesh.devices.flat) and not zero.zero_quantized_gradients
+
+
 def spans_hosts(mesh: Mesh) -> bool:
     """Whether `mesh` crosses hosts: a `host` axis, or devices of several processes (an expert
     axis across them, as on the slow link's `mesh.expert=4, mesh.data=1`)."""
