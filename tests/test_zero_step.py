@@ -351,18 +351,18 @@ def test_host_major_shards_train_like_data_major_and_ring_inside_the_hosts(datas
     assert ring_crossings("host") == 2 and ring_crossings("data") == 8
 
 
-def test_shard_order_auto_is_host_major_over_gloo_without_qgz(monkeypatch):
+def test_shard_order_auto_is_host_major_over_gloo(monkeypatch):
     from jaxspeed.train import zero_step
 
     config = tiny_config(*HOSTS2)
     mesh = js.initialize(config).mesh
     assert not zero_step.host_major(config, mesh)  # in-process collectives: data-major
+    assert zero_step.host_major(tiny_config(*HOSTS2, Z + "shard_order=host"), mesh)
     monkeypatch.setattr(zero_step, "over_gloo", lambda devices: True)
     assert zero_step.host_major(config, mesh)
-    assert not zero_step.host_major(tiny_config(*HOSTS2, Z + "zero_quantized_gradients=true"),
-                                    mesh)
-    assert zero_step.host_major(tiny_config(*HOSTS2, Z + "zero_quantized_gradients=true",
-                                            Z + "shard_order=host"), mesh)
+    assert not zero_step.host_major(tiny_config(*HOSTS2, Z + "shard_order=data"), mesh)
+    one_host = tiny_config("mesh.data=8", Z + "stage=3", Z + "shard_order=host")
+    assert not zero_step.host_major(one_host, js.initialize(one_host).mesh)
 
 
 def test_a_mesh_spans_hosts_with_a_host_axis_or_several_processes():

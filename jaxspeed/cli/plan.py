@@ -165,16 +165,17 @@ def _hosts_of(config, cluster, devices: int):
 
 def _cluster_processes(config, cluster, devices):
     """Where `cluster`'s hosts split another axis than `data` (`_hosts_of` gave the mesh no
-    `host` axis: the slow link's `mesh.expert=4, mesh.data=1`), a context in which this
-    process's `devices` stand for the cluster's processes, one a host, so the step compiles as
-    each of them compiles it: its collectives over the hosts in two stages, and the profile's
-    "across hosts" counting them. Else a context that does nothing."""
+    `host` axis: the slow link's `mesh.expert=4, mesh.data=1`), or its collectives run over
+    gloo, a context in which this process's `devices` stand for the cluster's processes, one a
+    host, so the step compiles as each of them compiles it: its collectives over the hosts in
+    two stages, the profile's "across hosts" counting them, and what `auto` picks over gloo
+    (`shard_order`, `max_reduce_scatter_elements`). Else a context that does nothing."""
     import jax
 
     from jaxspeed.runtime.distributed import emulated_processes
 
     if (devices is None or cluster is None or cluster.hosts < 2
-            or config.mesh.hosts not in ("auto", 1)
+            or (config.mesh.hosts not in ("auto", 1) and cluster.collectives != "gloo")
             or jax.process_count() > 1 or len(devices) != cluster.devices):
         return contextlib.nullcontext()
     return emulated_processes(cluster.hosts, devices)

@@ -155,9 +155,8 @@ class ZeroConfig(_Section):
     #: Stage 3 with explicit collectives: the order of ZeRO's shards over the hosts and the
     #: devices inside them. `data`: data-major (shard `d * hosts + h`); `host`: host-major,
     #: so a ring collective's neighbours are inside one host but at two edges. `auto`: host
-    #: where the collectives run over gloo (whose rings follow the group's order) without
-    #: qgZ (its first all-to-all runs over the spec's major axis: host-major, across hosts),
-    #: else data (NCCL picks its own rings) (`jaxspeed.train.zero_step.host_major`).
+    #: where the collectives run over gloo (whose rings follow the group's order), else data
+    #: (NCCL picks its own rings) (`jaxspeed.train.zero_step.shard_order_is_host`).
     shard_order: Literal["auto", "data", "host"] = "auto"
 
     @model_validator(mode="after")

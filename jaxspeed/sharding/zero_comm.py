@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.ops import quantize as qz
+from jaxspeed.runtime.mesh import HOST
 from jaxspeed.sharding import two_level
 
 
@@ -61,17 +62,25 @@ def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, *, bits: int |
     With `bucket`, a `g` of more elements is reduced in pieces of at most `bucket` elements,
     one `psum_scatter` each, with the same result (`_bucketed_psum_scatter`).
 
-    With `bits` (qgZ), one `all_to_all` per axis, major first: `g` is split into one chunk
-    per peer along `dim`, each chunk block-quantized to `bits` and sent to its peer, which
-    dequantizes what it receives and sums it in fp32; the next axis works on that sum.
+    With `bits` (qgZ), one `all_to_all` per axis, `host` last (inside the host first, then
+    across hosts on what is left: a 1/peers-inside-the-host part of `g`): `g` is split into
+    one chunk per peer of the axis along its part of `dim` (`dim` is split over `axes`, major
+    first), each chunk block-quantized to `bits` and sent to its peer, which dequantizes what
+    it receives and sums it in fp32; the next axis works on that sum.
     """
     g = g.astype(jnp.float32)
     if bits is None:
         if bucket is not None and g.size > bucket:
             return _bucketed_psum_scatter(g, axes, dim, bucket)
         return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
-    for axis in axes:
-        g = _quantized_reduce_scatter(g, axis, dim, bits, block)
+    left = list(axes)
+    for axis in sorted(axes, key=lambda a: a == HOST):
+        i, shape = left.index(axis), g.shape
+        parts = g.reshape(*shape[:dim], *(jax.lax.axis_size(a) for a in left), -1,
+                          *shape[dim + 1:])
+        g = _quantized_reduce_scatter(parts, axis, dim + i, bits, block).reshape(
+            *shape[:dim], -1, *shape[dim + 1:])
+        left.remove(axis)
     return g
 
 

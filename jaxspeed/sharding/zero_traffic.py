@@ -117,7 +117,8 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
             shard *= peers
         remaining = size  # the reduce-scatters, innermost gather's first
         for axes in reversed(stages):
-            groups = [(a,) for a in axes] if switches.gradient_bits else [axes]
+            groups = ([(a,) for a in sorted(axes, key=lambda a: a == HOST)]
+                      if switches.gradient_bits else [axes])  # qgZ: across hosts last
             for group in groups:
                 peers = math.prod(mesh_shape[a] for a in group)
                 add("reduce_scatter", group,
