@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxspeed.cost import hlo
 from jaxspeed.ops import quantize as qz
 from jaxspeed.sharding import zero_collectives as zc
+from jaxspeed.sharding import zero_layout as zl
 from jaxspeed.sharding import zero_comm as comm
 from jaxspeed.sharding import zero_traffic as zt
 
@@ -34,27 +35,27 @@ def shard_fn(mesh, fn, in_spec, out_spec):
 
 
 def test_leaf_gather_from_spec_and_stages():
-    leaf = zc.leaf_gather(P(None, ("data", "host"), "tensor"))
-    assert leaf == zc.LeafGather(1, AXES, (None, None, "tensor"))
+    leaf = zl.leaf_gather(P(None, ("data", "host"), "tensor"))
+    assert leaf == zl.LeafGather(1, AXES, (None, None, "tensor"))
     assert leaf.kept_axes == ("tensor",)
-    assert zc.leaf_gather(P(None, ("data", "host"))) == zc.LeafGather(1, AXES)
+    assert zl.leaf_gather(P(None, ("data", "host"))) == zl.LeafGather(1, AXES)
     assert leaf.stages(hpz=False) == (AXES,)
     assert leaf.stages(hpz=True) == (("host",), ("data",))
-    assert zc.leaf_gather(P("tensor")) is None
-    assert zc.LeafGather(1, ("host",)).stages(hpz=True) == (("host",),)
-    assert leaf.sliced() == zc.LeafGather(0, AXES, (None, "tensor"))
+    assert zl.leaf_gather(P("tensor")) is None
+    assert zl.LeafGather(1, ("host",)).stages(hpz=True) == (("host",),)
+    assert leaf.sliced() == zl.LeafGather(0, AXES, (None, "tensor"))
     # inside a tensor group, ZeRO's shards of a dimension split over both are not contiguous
     with pytest.raises(ValueError, match="split over .*'data'.*alone"):
-        zc.leaf_gather(P(("data", "tensor"), None))
+        zl.leaf_gather(P(("data", "tensor"), None))
 
 
-@pytest.mark.parametrize("switches", [zc.Switches(), zc.Switches(hpz=True)], ids=["zero3", "hpz"])
+@pytest.mark.parametrize("switches", [zl.Switches(), zl.Switches(hpz=True)], ids=["zero3", "hpz"])
 def test_gather_equals_all_gather_and_its_transpose_psum_scatter(mesh, switches):
     """Gathered: the whole array on every device. Gradient of `sum(w * gathered)` with a
     per-device `w`: the sum over devices of `w` (psum_scatter), each device its block."""
     x = jax.random.normal(jax.random.key(0), (3, 8 * 6))
     w = jax.random.normal(jax.random.key(1), (HOSTS * DATA, 3, 8 * 6))
-    leaf = zc.LeafGather(1, AXES)
+    leaf = zl.LeafGather(1, AXES)
 
     def local(x, w):
         gathered, pull = jax.vjp(
@@ -114,7 +115,7 @@ def test_bucketed_gather_transpose_keeps_the_gradient(mesh):
     """The gather's transpose with `bucket`: the gradient equals the unbucketed one."""
     x = jax.random.normal(jax.random.key(0), (3, 8 * 6))
     w = jax.random.normal(jax.random.key(1), (HOSTS * DATA, 3, 8 * 6))
-    leaf = zc.LeafGather(1, AXES)
+    leaf = zl.LeafGather(1, AXES)
 
     def grad_with(switches):
         def local(x, w):
@@ -123,8 +124,8 @@ def test_bucketed_gather_transpose_keeps_the_gradient(mesh):
             return pull(w[0])[0]
         return shard_fn(mesh, local, (P(None, AXES), P(("host", "data"))), P(None, AXES))(x, w)
 
-    np.testing.assert_array_equal(np.asarray(grad_with(zc.Switches(bucket=16))),
-                                  np.asarray(grad_with(zc.Switches())))
+    np.testing.assert_array_equal(np.asarray(grad_with(zl.Switches(bucket=16))),
+                                  np.asarray(grad_with(zl.Switches())))
 
 
 def test_quantized_gather_within_half_a_scale(mesh):
@@ -170,7 +171,7 @@ def test_quantized_reduce_scatter_within_its_error_bound(mesh, bits, axes):
 
 def _hlo_collectives(mesh, switches, *, shape=(8 * 64, 4)):
     x = jnp.ones(shape)
-    leaf = zc.LeafGather(0, AXES)
+    leaf = zl.LeafGather(0, AXES)
 
     def local(x):
         def loss(x):
@@ -188,7 +189,7 @@ def _crosses_hosts(op) -> bool:
 
 
 def test_hlo_zero3_is_all_gather_and_reduce_scatter(mesh):
-    ops, text = _hlo_collectives(mesh, zc.Switches())
+    ops, text = _hlo_collectives(mesh, zl.Switches())
     kinds = sorted(op.kind for op in ops)
     assert kinds == ["all-gather", "reduce-scatter"], kinds
     gather = next(op for op in ops if op.kind == "all-gather")
@@ -197,7 +198,7 @@ def test_hlo_zero3_is_all_gather_and_reduce_scatter(mesh):
 
 
 def test_hlo_qwz_gathers_int8_and_qgz_all_to_alls_packed_int4(mesh):
-    ops, text = _hlo_collectives(mesh, zc.Switches(quantized_weights=True, gradient_bits=4))
+    ops, text = _hlo_collectives(mesh, zl.Switches(quantized_weights=True, gradient_bits=4))
     assert {op.kind for op in ops} == {"all-gather", "all-to-all"}
     assert any(line for line in text.splitlines() if "all-gather" in line and "s8[" in line)
     packed = [line for line in text.splitlines()
@@ -212,7 +213,7 @@ def test_hlo_qwz_gathers_int8_and_qgz_all_to_alls_packed_int4(mesh):
 
 
 def test_hlo_hpz_gathers_across_hosts_once_then_inside(mesh):
-    ops, _ = _hlo_collectives(mesh, zc.Switches(hpz=True))
+    ops, _ = _hlo_collectives(mesh, zl.Switches(hpz=True))
     gathers = [op for op in ops if op.kind == "all-gather"]
     assert sorted(_crosses_hosts(op) for op in gathers) == [False, True]
     scatters = [op for op in ops if op.kind == "reduce-scatter"]
@@ -223,13 +224,13 @@ def test_zero_traffic_matches_the_hlo(mesh):
     """`zero_traffic`'s per-collective split into intra- and cross-host bytes, against the
     compiled program's own collectives (ring bytes = `(peers - 1) / peers` of the buffer)."""
     shape = (8 * 64, 4)
-    for switches in [zc.Switches(), zc.Switches(hpz=True),
-                     zc.Switches(quantized_weights=True, gradient_bits=8)]:
+    for switches in [zl.Switches(), zl.Switches(hpz=True),
+                     zl.Switches(quantized_weights=True, gradient_bits=8)]:
         ops, _ = _hlo_collectives(mesh, switches, shape=shape)
         sent = {False: 0, True: 0}
         for op in ops:
             peers = len(op.groups[0])
             sent[_crosses_hosts(op)] += op.bytes * (peers - 1) // peers
-        traffic = zt.zero_traffic({"w": shape}, {"w": zc.LeafGather(0, AXES)},
+        traffic = zt.zero_traffic({"w": shape}, {"w": zl.LeafGather(0, AXES)},
                                   {"host": HOSTS, "data": DATA}, switches=switches)
         assert (traffic.intra_host, traffic.cross_host) == (sent[False], sent[True]), switches

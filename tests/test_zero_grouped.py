@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jaxspeed.cost import hlo
 from jaxspeed.sharding import two_level
 from jaxspeed.sharding import zero_collectives as zc
+from jaxspeed.sharding import zero_layout as zl
 from jaxspeed.train import zero_step
 from numerics import assert_adam_params_close
 from test_engine import LR, RHO, tiny_config
@@ -95,8 +96,8 @@ def _gather_and_pull(mesh, axes, gather, dtype):
 
 
 @pytest.mark.parametrize("switches,dtype", [
-    (zc.Switches(), jnp.float32), (zc.Switches(bucket=40), jnp.float32),
-    (zc.Switches(), jnp.bfloat16)], ids=["one-buffer", "in-pieces", "bf16"])
+    (zl.Switches(), jnp.float32), (zl.Switches(bucket=40), jnp.float32),
+    (zl.Switches(), jnp.bfloat16)], ids=["one-buffer", "in-pieces", "bf16"])
 def test_a_group_gathers_and_reduces_like_each_leaf_alone(hosts_mesh, switches, dtype):
     def grouped(xs, dtype):
         return zc.gather_group(xs, AXES, DIMS, dtype=dtype, switches=switches)
@@ -120,7 +121,7 @@ def test_a_group_gathers_and_reduces_like_each_leaf_alone(hosts_mesh, switches, 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_a_group_over_an_axis_across_hosts_runs_in_two_stages(line, dtype):
     def with_hosts(hosts):
-        switches = zc.Switches(two_level=(("data", hosts),) if hosts > 1 else ())
+        switches = zl.Switches(two_level=(("data", hosts),) if hosts > 1 else ())
 
         def gather(xs, dtype):
             return zc.gather_group(xs, ("data",), DIMS, dtype=dtype, switches=switches)
@@ -138,8 +139,8 @@ def test_a_group_over_an_axis_across_hosts_runs_in_two_stages(line, dtype):
     moved = [32, 64, 64, 64]
     assert sorted(op.bytes for op in ops) == sorted(
         [n * jnp.dtype(dtype).itemsize for n in moved] + [n * 4 for n in moved])
-    assert zc.Switches(two_level=(("data", 2),)).hosts(("data",)) == 2
-    assert zc.Switches(two_level=(("data", 2),)).hosts(AXES) == 1  # a `host` axis names them
+    assert zl.Switches(two_level=(("data", 2),)).hosts(("data",)) == 2
+    assert zl.Switches(two_level=(("data", 2),)).hosts(AXES) == 1  # a `host` axis names them
 
 
 def test_leaves_gathered_per_layer_move_in_one_collective_a_layer():

@@ -23,7 +23,7 @@ from jaxspeed.config import load_config
 from jaxspeed.cost import hlo
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops import quantize as qz
-from jaxspeed.sharding import zero_collectives as zc
+from jaxspeed.sharding import zero_layout as zl
 from jaxspeed.sharding import zero_traffic as zt
 from jaxspeed.runtime.distributed import over_gloo
 from jaxspeed.train.zero_step import GLOO_BUCKET, RUN_BUCKET, step_traffic, switches_of
@@ -260,7 +260,7 @@ def test_plan_traffic_is_what_the_zero3_step_moves(overrides, per_layer):
     traffic = zt.plan_traffic(engine.plan, compute_bytes=4, per_layer=per_layer)
     assert (traffic.intra_host, traffic.cross_host) == _sent(ops)
     quantized = zt.plan_traffic(engine.plan, compute_bytes=2, per_layer=per_layer,
-                                switches=zc.Switches(True, 4, True))
+                                switches=zl.Switches(True, 4, True))
     assert quantized.cross_host < traffic.cross_host / 4
 
 
@@ -319,7 +319,7 @@ def test_deepspeed_zeropp_keys_map_directly():
         "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
         "zero_hpz_partition_size": 4}})
     zero = cfg.zero_optimization
-    assert switches_of(zero) == zc.Switches(True, 4, True, 256, bucket=RUN_BUCKET)
+    assert switches_of(zero) == zl.Switches(True, 4, True, 256, bucket=RUN_BUCKET)
 
 
 def test_max_reduce_scatter_elements_auto_cuts_finer_over_gloo():

@@ -69,6 +69,12 @@ def in_host(x) -> bool:
     return jax.typeof(x).memory_space == jax.memory.Space.Host
 
 
+def on_device(x):
+    """Inside a jitted step: `x` in device memory, moved there when it lives on the host (an
+    `offload_param` shard); its transpose moves the gradient back to where `x` lives."""
+    return jax.device_put(x, jax.memory.Space.Device) if in_host(x) else x
+
+
 def fetch(tree, dtype):
     """Inside a jitted step: host-resident arrays into device memory, floating ones cast to
     `dtype` there. Its transpose moves the gradient back to the host."""

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from jaxspeed.ops import quantize as qz
 from jaxspeed.runtime.mesh import HOST
-from jaxspeed.sharding.zero_collectives import LeafGather, Switches, leaf_gather, part_stages
+from jaxspeed.sharding.zero_layout import LeafGather, Switches, leaf_gather, part_stages
 from jaxspeed.sharding.zero_comm import worth_quantizing
 
 

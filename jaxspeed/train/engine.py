@@ -392,8 +392,7 @@ def initialize(
         rules=rules,
         offload_optimizer=zero.offload_optimizer.device == "cpu",
         offload_params=zero.offload_param.device == "cpu",
-        explicit_zero3=runs_explicit(config, mesh),
-        host_major=host_major(config, mesh),
+        explicit_zero3=runs_explicit(config, mesh), host_major=host_major(config, mesh),
     )
     return Engine(
         config=config, mesh=mesh, fns=fns, plan=plan, loss_fn=loss_fn or lm_loss, model=model,

@@ -43,6 +43,7 @@ from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE
 from jaxspeed.sharding.leaves import LeafPlan
 from jaxspeed.sharding.planner import Plan
 from jaxspeed.sharding import zero_collectives as zc
+from jaxspeed.sharding import zero_layout as zl
 from jaxspeed.sharding import zero_traffic as zt
 from jaxspeed.sharding.two_level import spanned_hosts
 from jaxspeed.sharding.vma import make_varying
@@ -74,7 +75,7 @@ class ZeroStep:
     specs: Any
     gathers: Any
     layered: Any
-    switches: zc.Switches
+    switches: zl.Switches
     compute_dtype: Any
     model: Any = None
 
@@ -88,7 +89,7 @@ class ZeroStep:
 
     @property
     def axes(self) -> tuple[str, ...]:
-        return zc.MANUAL_AXES
+        return zl.MANUAL_AXES
 
     @property
     def split(self) -> tuple[str, ...]:
@@ -107,7 +108,7 @@ class ZeroStep:
         parts = ["secondary" if one else "all" for one in layered]
         # streamed (`offload_param`): a layer's shards come in one layer at a time
         # (`_gather_layer`), hpZ's secondary copy of them before the microbatches
-        xs = [_on_device(x) if not one or self.switches.hpz else x
+        xs = [offload.on_device(x) if not one or self.switches.hpz else x
               for x, one in zip(xs, layered)]
         return treedef.unflatten(zc.gather_leaves(
             xs, treedef.flatten_up_to(self.gathers), parts, dtype=self.compute_dtype,
@@ -186,7 +187,7 @@ class ZeroStep:
 
 
 def _is_gather(x) -> bool:
-    return x is None or isinstance(x, zc.LeafGather)
+    return x is None or isinstance(x, zl.LeafGather)
 
 
 def _unsupported(config, mesh: Mesh) -> str | None:
@@ -211,12 +212,12 @@ GLOO_BUCKET = 2**18
 RUN_BUCKET = 2**22
 
 
-def switches_of(zero, *, gloo: bool = False) -> zc.Switches:
+def switches_of(zero, *, gloo: bool = False) -> zl.Switches:
     """The collectives' `Switches` from the `zero_optimization` section; `gloo`: whether the
     collectives run over gloo (`jaxspeed.runtime.distributed.over_gloo`), which
     `max_reduce_scatter_elements: auto` follows."""
     bucket = zero.max_reduce_scatter_elements
-    return zc.Switches(
+    return zl.Switches(
         quantized_weights=zero.zero_quantized_weights,
         gradient_bits=zero.quantized_gradient_bits if zero.zero_quantized_gradients else None,
         hpz=zero.zero_hpz_partition_size > 1,
@@ -313,7 +314,7 @@ def two_level_axes(mesh: Mesh) -> tuple[tuple[str, int], ...]:
     """`(axis, hosts)` of the manual axes whose devices span `hosts` processes with no `host`
     axis naming them (the slow link's `mesh.expert=4, mesh.data=1`): `Switches.two_level`."""
     processes = process_count(mesh.devices.flat)
-    spans = [(axis, spanned_hosts(mesh, axis, processes)) for axis in zc.MANUAL_AXES
+    spans = [(axis, spanned_hosts(mesh, axis, processes)) for axis in zl.MANUAL_AXES
              if mesh.shape.get(axis, 1) > 1]
     return tuple((axis, hosts) for axis, hosts in spans if 1 < hosts < mesh.shape[axis])
 
@@ -327,13 +328,13 @@ def explicit_zero(config, mesh: Mesh, plan: Plan, model, *, compute_dtype,
     switches = switches_of(zero, gloo=over_gloo(mesh.devices.flat))._replace(
         two_level=two_level_axes(mesh))
     check_hpz(zero.zero_hpz_partition_size, mesh)
-    gathers = _leaves(plan, lambda leaf: zc.leaf_gather(leaf.param, leaf.gathered))
+    gathers = _leaves(plan, lambda leaf: zl.leaf_gather(leaf.param, leaf.gathered))
     from jaxspeed.models.gpt import GPT
 
     per_layer = isinstance(model, GPT) and param_count > zero.max_live_parameters
     layered = _leaves(plan, lambda leaf: per_layer and (leaf.logical or ())[:1] == ("layers",))
-    step = ZeroStep(mesh=mesh, rules=_local_rules(plan.rules, zc.MANUAL_AXES),
-                    specs=_leaves(plan, lambda leaf: zc.manual_spec(leaf.param)),
+    step = ZeroStep(mesh=mesh, rules=_local_rules(plan.rules, zl.MANUAL_AXES),
+                    specs=_leaves(plan, lambda leaf: zl.manual_spec(leaf.param)),
                     gathers=gathers, layered=layered, switches=switches,
                     compute_dtype=compute_dtype)
     if not per_layer:
@@ -358,16 +359,10 @@ def _gather_layer(variables, *, gathers, dtype, switches):
     """`GPT.gather_layers`: one scanned unit's `{"params": ...}` gathered for its use; with
     `offload_param`, its shards streamed in from the host first (one layer at a time)."""
     def one(collection):
-        prefixed = {"layers": jax.tree.map(_on_device, collection)}
+        prefixed = {"layers": jax.tree.map(offload.on_device, collection)}
         out = zc.gather_tree(prefixed, gathers, dtype=dtype, switches=switches, part="use")
         return out["layers"]
     return {name: one(tree) for name, tree in variables.items()}
-
-
-def _on_device(x):
-    """A host-resident shard (`offload_param`) in device memory; its gradient goes back to the
-    host, where the step's update takes it (`OffloadSpec.streamed`)."""
-    return jax.device_put(x, jax.memory.Space.Device) if offload.in_host(x) else x
 
 
 def step_traffic(config, plan: Plan, *, reference_model: bool = True) -> zt.Traffic | None:
