@@ -22,9 +22,11 @@ across processes), both run in two stages, so each byte crosses the link once
 (`jaxspeed.sharding.two_level`).
 
 hpZ splits a gather into stages: over `host` alone first (once per step: a secondary copy
-sharded within the host, ZeRO's dimension being split data-major), then over the intra-host
-axes (per layer, in the forward pass and again in the recomputed backward pass). The chain's
-transpose is the hierarchical reduce-scatter: inside the host, then across hosts.
+sharded within the host), then over the intra-host axes (per layer, in the forward pass and
+again in the recomputed backward pass); where `host` is not ZeRO's minor axis (host-major
+shards, or an `expert` axis after it), the blocks are put back in the spec's order after the
+last stage (`zero_layout.reorder_blocks`). The chain's transpose is the hierarchical
+reduce-scatter: inside the host, then across hosts.
 
 `jaxspeed.sharding.zero_traffic` prices all this per step, split into intra-host and
 cross-host bytes.
@@ -47,6 +49,7 @@ from jaxspeed.sharding import zero_comm as comm
 from jaxspeed.sharding.zero_layout import (
     LeafGather, Switches, named, part_stages, reorder_blocks,
 )
+
 
 class _Gather(NamedTuple):  # static (hashable) arguments of `gather_stage`
     axes: tuple[str, ...]

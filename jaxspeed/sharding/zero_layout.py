@@ -61,7 +61,8 @@ class Switches(NamedTuple):
 class LeafGather(NamedTuple):
     """How one stored leaf is gathered: the dimension ZeRO split, over which manual axes.
 
-    `axes` are in the spec's order (major first: `data` before `host`, see `ZERO_AXES`).
+    `axes` are in the spec's order, major first: `data` before `host` (`ZERO_AXES`), or
+    `host` first with host-major shards (`zero_optimization.shard_order`).
     `kept` is the stored spec's entries on the map's other axes (`tensor`), one per
     dimension: the leaf stays split over them, and its gather runs inside each of their
     groups (`gather_leaves`).

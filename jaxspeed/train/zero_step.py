@@ -6,11 +6,11 @@ with an expert axis, its experts; the MoE layers exchange tokens with the expert
 inside the map. `tensor` stays automatic: the weights stay split over it, and the leaves
 split over it gather inside each tensor group (`zero_collectives.gather_leaves`). `pipe` and
 `sequence` must have size 1 (`_unsupported`). With `offload_param`, the shards live on the
-host and come in where they are gathered (a layer's one layer at a time). The loss is differentiated
-w.r.t. the shards; the gathers (`jaxspeed.sharding.zero_collectives`) run where the params are
-used, and their transposes reduce-scatter the gradients, so each worker ends with the gradient
-of its own shard, summed over workers in fp32, and the update runs on shards as with the
-sharding path. Where the gathers run:
+host and come in where they are gathered (a layer's one layer at a time). The loss is
+differentiated w.r.t. the shards; the gathers (`jaxspeed.sharding.zero_collectives`) run
+where the params are used, and their transposes reduce-scatter the gradients, so each worker
+ends with the gradient of its own shard, summed over workers in fp32, and the update runs on
+shards as with the sharding path. Where the gathers run:
 
 - the reference GPT's scanned layers: one layer at a time, inside the scan
   (`GPT.gather_layers`), again in the backward pass (the gathered params are never saved);
