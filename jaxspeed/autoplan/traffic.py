@@ -56,6 +56,8 @@ from jaxspeed.cost.flops import expert_matmul_params
 from jaxspeed.ops.precision import compute_dtype
 from jaxspeed.ops.quantize import num_blocks
 from jaxspeed.runtime.mesh import AXES, DATA, EXPERT, HOST, SEQUENCE, TENSOR
+from jaxspeed.sharding.zero import HOST_MAJOR_AXES
+from jaxspeed.sharding.zero_layout import across_hosts_last
 from jaxspeed.train.zero_step import shard_order_is_host, switches_of
 
 #: The optimizers whose data-parallel exchange is the 1-bit compressed all-reduce.
@@ -219,7 +221,7 @@ def step_transfers(
     stage = plan.stage
     if stage == 3:
         if shard_order_is_host(config.zero_optimization, gloo=gloo):  # the rings' order
-            zero_axes = tuple(a for a in (HOST, DATA, SEQUENCE, EXPERT) if sizes[a] > 1)
+            zero_axes = tuple(a for a in HOST_MAJOR_AXES if sizes[a] > 1)
         out += _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
                       gloo=gloo, layered_vectors=layers * counts["layer_norm"])
         if experts:
@@ -315,8 +317,8 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
                               elements=elements - layered_vectors, leaves=matrices)
         remaining = elements / leaves
         for axes in reversed(stages):
-            across_last = sorted(axes, key=lambda a: a == HOST)  # qgZ's order
-            for group in ([(a,) for a in across_last] if sw.gradient_bits else [axes]):
+            for group in ([(a,) for a in across_hosts_last(axes)] if sw.gradient_bits
+                          else [axes]):
                 if sw.gradient_bits:
                     out += _quantized(f"zero3.grad_all_to_all.{label}", "all-to-all", remaining,
                                       sw.gradient_bits, sw.block, group, leaves * micro)

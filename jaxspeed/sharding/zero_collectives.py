@@ -241,20 +241,15 @@ def _run_stages(xs, op: _Stages) -> tuple:
     return tuple(out)
 
 
-def _groups_map(fn, specs):
-    """`fn` in a `shard_map` manual over the axes `specs` name (the leaves' `kept` ones); its
-    argument and its result each a tuple of leaves split as `specs`."""
-    model = {a for spec in specs for e in spec for a in named(e)}
-    return jax.shard_map(fn, in_specs=(specs,), out_specs=specs, axis_names=model)
-
-
 def _in_groups(xs, op: _Stages, specs):
     """`_run_stages` inside each group of the leaves' other axes (`LeafGather.kept`), in a
     `jax.checkpoint` that saves nothing: under the model's remat, the nested `shard_map`
     would otherwise be split into a saved and a recomputed part, and jax 0.12 names the outer
     map's manual axes in the saved values' specs (qwZ's constants), which Shardy refuses.
     `not_gathered` looks inside it."""
-    run = _groups_map(lambda ys: _run_stages(ys, op), specs)
+    model = {a for spec in specs for e in spec for a in named(e)}
+    run = jax.shard_map(lambda ys: _run_stages(ys, op), in_specs=(specs,), out_specs=specs,
+                        axis_names=model)
     return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(xs)
 
 
@@ -263,7 +258,8 @@ def not_gathered(prim, *_, **params) -> bool:
     produced, so the backward pass gathers it again (DeepSpeed's ZeRO-3 releases a layer's
     params after its forward pass). A gather is a `custom_vjp` whose primal holds an
     `all_gather`, or the `ppermute`s of a two-stage one, anywhere inside (its `call_jaxpr`,
-    as jax 0.11 and 0.12 name it; `_in_groups` nests them in a `shard_map`)."""
+    as jax 0.11 and 0.12 name it; `_in_groups` nests them in a `checkpoint` of a
+    `shard_map`)."""
     if prim.name not in ("custom_vjp_call", "checkpoint"):
         return True
     return not _moves(params.get("call_jaxpr", params.get("jaxpr")))
@@ -275,8 +271,7 @@ def _moves(jaxpr) -> bool:
     for eqn in getattr(jaxpr, "eqns", ()):
         if eqn.primitive.name in ("all_gather", "ppermute"):
             return True
-        if any(_moves(v) for v in eqn.params.values() if hasattr(v, "eqns")
-               or hasattr(getattr(v, "jaxpr", None), "eqns")):
+        if any(_moves(v) for v in eqn.params.values()):
             return True
     return False
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.ops import quantize as qz
-from jaxspeed.runtime.mesh import HOST
 from jaxspeed.sharding import two_level
+from jaxspeed.sharding.zero_layout import across_hosts_last
 
 
 def concat_peers(y: jax.Array, dim: int) -> jax.Array:
@@ -74,7 +74,7 @@ def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, *, bits: int |
             return _bucketed_psum_scatter(g, axes, dim, bucket)
         return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
     left = list(axes)
-    for axis in sorted(axes, key=lambda a: a == HOST):
+    for axis in across_hosts_last(axes):
         i, shape = left.index(axis), g.shape
         parts = g.reshape(*shape[:dim], *(jax.lax.axis_size(a) for a in left), -1,
                           *shape[dim + 1:])

@@ -126,6 +126,12 @@ def manual_spec(spec, manual: tuple[str, ...] = MANUAL_AXES):
     return P(*(spec_entry(tuple(a for a in named(e) if a in manual)) for e in spec))
 
 
+def across_hosts_last(axes) -> tuple[str, ...]:
+    """`axes` with `host` last: qgZ's all-to-alls, one an axis, reduce inside the host first
+    and send across hosts only what is left (`zero_comm.reduce_scatter`)."""
+    return tuple(sorted(axes, key=lambda a: a == HOST))
+
+
 #: Which of a leaf's gather stages `gather_leaf` runs: all of them; hpZ's `host` stage alone
 #: (the once-per-step secondary copy); or the others (each use).
 PARTS = ("all", "secondary", "use")

@@ -9,7 +9,9 @@ from typing import NamedTuple
 
 from jaxspeed.ops import quantize as qz
 from jaxspeed.runtime.mesh import HOST
-from jaxspeed.sharding.zero_layout import LeafGather, Switches, leaf_gather, part_stages
+from jaxspeed.sharding.zero_layout import (
+    LeafGather, Switches, across_hosts_last, leaf_gather, part_stages,
+)
 from jaxspeed.sharding.zero_comm import worth_quantizing
 
 
@@ -117,8 +119,8 @@ def zero_traffic(shapes: Mapping[str, tuple[int, ...]], gathers: Mapping[str, Le
             shard *= peers
         remaining = size  # the reduce-scatters, innermost gather's first
         for axes in reversed(stages):
-            groups = ([(a,) for a in sorted(axes, key=lambda a: a == HOST)]
-                      if switches.gradient_bits else [axes])  # qgZ: across hosts last
+            groups = ([(a,) for a in across_hosts_last(axes)]
+                      if switches.gradient_bits else [axes])
             for group in groups:
                 peers = math.prod(mesh_shape[a] for a in group)
                 add("reduce_scatter", group,
