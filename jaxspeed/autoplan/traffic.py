@@ -1,10 +1,11 @@
 """What a training step moves between devices, from the model's shapes: one `Transfer` per kind
 of collective, with the mesh axes its groups run along (in rank order) and how often per step.
 
-This is the planner's own byte model: `jaxspeed.sharding.zero_traffic.zero_traffic` prices
-the ZeRO-3 collectives of a built sharding plan alike; this one needs no plan, also covers the
-optimizers and the other stages, and gives each collective's kind, which `comm` needs. Swap it by passing other `Transfer`s
-to `comm`. Bytes are per device in the profiler's full-buffer convention
+This is jaxspeed's one byte model: `plan`, the planner and the tests price every stage and
+every optimizer's exchange from it, with no built plan (`tests/test_zero3_traffic.py` checks
+ZeRO-3's against the compiled step's HLO on each axis combination the explicit step runs).
+It gives each collective's kind, which `comm` needs; swap it by passing other `Transfer`s to
+`comm`. Bytes are per device in the profiler's full-buffer convention
 (`jaxspeed.cost.hlo`), so they compare with the compiled step's collectives.
 
 - **ZeRO-0**: the fp32 gradient all-reduce over the batch axes (`host`, `data`: host-major),
@@ -17,8 +18,8 @@ to `comm`. Bytes are per device in the profiler's full-buffer convention
   `zero_optimization.max_live_parameters` is gathered layer by layer in each micro-step, and
   again in the backward pass (its matrices; its norms too when they move in one buffer with
   them or remat recomputes the layers), the rest once per step; a smaller one once per step,
-  before the micro-steps. `jaxspeed.sharding.zero_traffic` prices a built plan alike, and a
-  test checks that the two agree.
+  before the micro-steps. `offload_param` changes none of this (the shards come in from the
+  host where they are gathered).
   - qwZ (`zero_quantized_weights`): the gathers move int8 values plus an fp32 scale a block,
     each in its own collective (two latencies).
   - hpZ (`zero_hpz_partition_size` > 1): a gather over `host` alone, then inside the host; for
@@ -262,8 +263,7 @@ def _quantized(name: str, kind: str, elements: float, bits: int, block: int,
 def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers, *,
            gloo: bool, layered_vectors: float = 0.0) -> list[Transfer]:
     """ZeRO-3's gathers and reduce-scatters (the explicit step's, ZeRO++ switches included),
-    as `jaxspeed.sharding.zero_traffic` prices a built plan's (`tests/test_traffic_models.py`
-    checks the two agree): what is gathered once per step is gathered before the microbatches,
+    checked against the compiled step (`tests/test_zero3_traffic.py`): what is gathered once per step is gathered before the microbatches,
     once; what is gathered layer by layer, at each use in each microbatch, and again in the
     backward pass: its matrices always (the vectors of `layered_vectors` too where they move
     in one buffer with them, or where remat recomputes the layers)."""
@@ -289,6 +289,8 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
     else:  # one a step
         parts = [("all", layered_params + other_params, 1, False)]
     for label, elements, leaves, per_layer in parts:
+        if not elements:  # the experts' pass has no "other" part
+            continue
         gathered = 1
         for i, axes in enumerate(stages):
             gathered *= math.prod(sizes[a] for a in axes)

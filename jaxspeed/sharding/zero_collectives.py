@@ -25,11 +25,12 @@ hpZ splits a gather into stages: over `host` alone first (once per step: a secon
 sharded within the host), then over the intra-host axes (per layer, in the forward pass and
 again in the recomputed backward pass); where `host` is not ZeRO's minor axis (host-major
 shards, or an `expert` axis after it), the blocks are put back in the spec's order after the
-last stage (`zero_layout.reorder_blocks`). The chain's transpose is the hierarchical
+last stage (`zero_layout.reorder_blocks`, marked as gathered so that `not_gathered` does not
+keep it for the backward pass). The chain's transpose is the hierarchical
 reduce-scatter: inside the host, then across hosts.
 
-`jaxspeed.sharding.zero_traffic` prices all this per step, split into intra-host and
-cross-host bytes.
+`jaxspeed.autoplan.traffic.step_transfers` prices all this per step (`plan`, the planner;
+`tests/test_zero3_traffic.py` checks it against the compiled step).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.sharding import two_level
@@ -86,6 +88,28 @@ def gather_stage(x: jax.Array, axes: tuple[str, ...], dim: int, *, dtype,
     Its transpose is `reduce_scatter` in fp32 (qgZ: quantized), cast to `x`'s dtype.
     """
     return _gather_stage(x, _Gather(tuple(axes), dim, jnp.dtype(dtype), x.dtype, switches))
+
+
+#: `_reordered`'s mark on its output, by which `not_gathered` knows it.
+_REORDERED = "zero_reordered_blocks"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _reordered(x, dim: int, have: tuple[str, ...], want: tuple[str, ...]):
+    """`reorder_blocks` of gathered blocks, marked as gathered for `not_gathered`; its
+    transpose reorders the cotangent back."""
+    return checkpoint_name(reorder_blocks(x, dim, have, want), _REORDERED)
+
+
+def _reordered_fwd(x, dim, have, want):
+    return _reordered(x, dim, have, want), None
+
+
+def _reordered_bwd(dim, have, want, _, cotangent):
+    return (reorder_blocks(cotangent, dim, want, have),)
+
+
+_reordered.defvjp(_reordered_fwd, _reordered_bwd)
 
 
 class _Group(NamedTuple):  # static (hashable) arguments of `gather_group`
@@ -204,7 +228,7 @@ def gather_leaves(xs, leaves, parts, *, dtype, switches: Switches) -> list:
     for i in moving:  # hpZ's host stage first: the blocks back into the spec's order
         leaf = leaves[i]
         if parts[i] != "secondary" and leaf.order(switches.hpz) != leaf.axes:
-            out[i] = reorder_blocks(out[i], leaf.dim, leaf.order(switches.hpz), leaf.axes)
+            out[i] = _reordered(out[i], leaf.dim, leaf.order(switches.hpz), leaf.axes)
     return [x.astype(dtype) if part != "secondary" and jnp.issubdtype(x.dtype, jnp.floating)
             else x for x, part in zip(out, parts)]
 
@@ -256,20 +280,27 @@ def _in_groups(xs, op: _Stages, specs):
 def not_gathered(prim, *_, **params) -> bool:
     """A remat policy: every value is saved for the backward pass but what a ZeRO gather
     produced, so the backward pass gathers it again (DeepSpeed's ZeRO-3 releases a layer's
-    params after its forward pass). A gather is a `custom_vjp` whose primal holds an
+    params after its forward pass), nor a move into device memory (ZeRO-Offload streams the
+    layer's shard in again: saved, it kept every gathered layer to the backward pass, 1.5x
+    the step's temporaries on the tiny GPT). A gather is a `custom_vjp` whose primal holds an
     `all_gather`, or the `ppermute`s of a two-stage one, anywhere inside (its `call_jaxpr`,
     as jax 0.11 and 0.12 name it; `_in_groups` nests them in a `checkpoint` of a
-    `shard_map`)."""
+    `shard_map`), or the reorder of gathered blocks that follows hpZ's stages (`_reordered`:
+    saved, it would keep every gathered layer too)."""
+    if prim.name == "device_put":  # `offload_param`'s shard: streamed in again, not kept
+        return False
     if prim.name not in ("custom_vjp_call", "checkpoint"):
         return True
     return not _moves(params.get("call_jaxpr", params.get("jaxpr")))
 
 
 def _moves(jaxpr) -> bool:
-    """Whether `jaxpr` (or a jaxpr nested in one of its equations) gathers or permutes."""
+    """Whether `jaxpr` (or a jaxpr nested in one of its equations) gathers, permutes or
+    reorders gathered blocks."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in getattr(jaxpr, "eqns", ()):
-        if eqn.primitive.name in ("all_gather", "ppermute"):
+        if eqn.primitive.name in ("all_gather", "ppermute") or (
+                eqn.primitive.name == "name" and eqn.params.get("name") == _REORDERED):
             return True
         if any(_moves(v) for v in eqn.params.values()):
             return True

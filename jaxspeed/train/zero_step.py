@@ -44,7 +44,6 @@ from jaxspeed.sharding.leaves import LeafPlan
 from jaxspeed.sharding.planner import Plan
 from jaxspeed.sharding import zero_collectives as zc
 from jaxspeed.sharding import zero_layout as zl
-from jaxspeed.sharding import zero_traffic as zt
 from jaxspeed.sharding.two_level import spanned_hosts
 from jaxspeed.sharding.vma import make_varying
 from jaxspeed.train.onebit_step import _local_rules
@@ -363,33 +362,3 @@ def _gather_layer(variables, *, gathers, dtype, switches):
         out = zc.gather_tree(prefixed, gathers, dtype=dtype, switches=switches, part="use")
         return out["layers"]
     return {name: one(tree) for name, tree in variables.items()}
-
-
-def step_traffic(config, plan: Plan, *, reference_model: bool = True) -> zt.Traffic | None:
-    """`zero_traffic.plan_traffic` of the step `config` runs on `plan`'s mesh: bytes per
-    device and step of each ZeRO-3 collective, intra- and cross-host (for the planner).
-
-    Args:
-      config: the run's `Config` (stage, switches, precision, remat, accumulation).
-      plan: its sharding plan (stage 3).
-      reference_model: the model is the reference GPT (its layers gathered one at a time when
-        over `max_live_parameters`); else every leaf is gathered once per step.
-
-    Returns:
-      The `Traffic`, or None where stage 3 would not run with explicit collectives.
-    """
-    zero = config.zero_optimization
-    if not runs_explicit(config, plan.mesh):
-        return None
-    from jaxspeed.config import resolve_batch
-    from jaxspeed.ops.precision import compute_dtype
-    from jaxspeed.runtime.mesh import data_parallel_size
-    from jaxspeed.sharding.leaves import flatten_leaf_plans
-
-    count = sum(math.prod(leaf.shape) for _, leaf in flatten_leaf_plans(plan.leaves))
-    return zt.plan_traffic(
-        plan, switches=switches_of(zero), compute_bytes=compute_dtype(config).itemsize,
-        per_layer=reference_model and count > zero.max_live_parameters,
-        recompute=config.activation_checkpointing.policy != "none",
-        accumulation=resolve_batch(config, data_parallel_size(plan.mesh)).accumulation_steps,
-    )

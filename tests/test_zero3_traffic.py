@@ -1,0 +1,107 @@
+"""ZeRO-3's one byte model (`autoplan.traffic.step_transfers`, what `plan` and the planner
+price) against the compiled step's HLO, for each axis combination and switch the explicit
+step runs: two emulated hosts, `tensor`, `expert` (a MoE), `offload_param`, gradient
+accumulation, remat, bf16, both shard orders, and qwZ, qgZ and hpZ.
+
+The model counts bytes in the full-buffer convention (a gather's output); a ring collective
+over `peers` devices sends `(peers - 1) / peers` of it, and that is what is compared, split
+into intra-host and cross-host bytes by gathers and by scatters (reduce-scatters, or qgZ's
+all-to-alls). In full precision they agree exactly. Quantized, the model pads an average leaf
+to whole blocks of `Switches.block` values where the step pads each leaf (and moves a leaf
+smaller than a block as it is, `zero_comm.worth_quantizing`): they differ by at most one
+block's quantized bytes and its scale per leaf and collective execution, which is the bound
+asserted. The MoE's token exchange (all-to-alls over `expert`) is priced apart
+(`autoplan.moe_exchange`) and left out here.
+"""
+
+import math
+
+import pytest
+
+import jaxspeed as js
+from jaxspeed.autoplan import traffic
+from jaxspeed.autoplan.space import from_config
+from jaxspeed.cost import hlo
+from jaxspeed.ops import quantize as qz
+from jaxspeed.runtime.mesh import HOST
+from test_engine import tiny_config
+
+Z = "zero_optimization."
+HOSTS2 = ["mesh.data=8", "mesh.hosts=2", Z + "stage=3", Z + "collectives=explicit"]
+HOST_SIZE = 4  # devices per emulated host
+LAYER, REMAT, BF16 = Z + "max_live_parameters=0", "activation_checkpointing.policy=full", "bf16.enabled=true"
+QW, QG = Z + "zero_quantized_weights=true", Z + "zero_quantized_gradients=true"
+TENSOR = ["mesh.data=4", "mesh.tensor=2"]  # 2 data x 2 tensor in each host
+MOE = ["mesh.data=4", "mesh.expert=2", "model.n_layers=4",
+       "model.moe={num_experts: 2, every_n_layers: 2}"]
+CASES = {
+    "once a step": [],
+    "layer by layer": [LAYER],
+    "layer/remat": [LAYER, REMAT],
+    "layer/bf16/accum2": [LAYER, BF16, "gradient_accumulation_steps=2"],
+    "layer/offload": [LAYER, Z + "offload_param.device=cpu", Z + "offload_optimizer.device=cpu"],
+    "layer/hpz": [LAYER, REMAT, Z + "zero_hpz_partition_size=4"],
+    # the blocks reordered after hpZ's stages (host-major, or an expert axis): before they were
+    # marked as gathered, the step kept every gathered layer for the backward pass, and so it
+    # did with `offload_param`; without remat, only the model's re-gathers show it
+    "layer/hpz/host-major": [LAYER, Z + "zero_hpz_partition_size=4", Z + "shard_order=host"],
+    "layer/qw": [LAYER, QW],
+    "qg": [QG],
+    "qg/host-major": [QG, Z + "shard_order=host"],
+    "layer/zeropp": [LAYER, REMAT, BF16, QW, QG, Z + "zero_hpz_partition_size=4"],
+    "tensor2/layer": [*TENSOR, LAYER],
+    "tensor2/layer/zeropp": [*TENSOR, LAYER, REMAT, QW, QG, Z + "zero_hpz_partition_size=2"],
+    "expert2/layer/hpz": [*MOE, LAYER, Z + "zero_hpz_partition_size=4"],
+    "expert2/qw": [*MOE, QW],
+}
+
+
+def _crosses_hosts(groups) -> bool:
+    return any(len({d // HOST_SIZE for d in group}) > 1 for group in groups)
+
+
+def _where(kind: str, crosses: bool) -> tuple[str, str]:
+    return ("gather" if kind == "all-gather" else "scatter", "cross" if crosses else "intra")
+
+
+def _compiled(engine) -> dict[tuple[str, str], float]:
+    """Bytes a device sends a step in the compiled step's ZeRO collectives (not the loss's
+    scalar all-reduces, nor the MoE's token exchange over `expert`)."""
+    expert = engine.mesh.shape["expert"]
+    sent: dict[tuple[str, str], float] = {}
+    for op in hlo.collectives(engine.compile_train_step().as_text(), num_devices=8):
+        # the token exchange (no case here has qgZ beside experts, whose gradients would move
+        # in all-to-alls over `expert` too)
+        exchange = op.kind == "all-to-all" and expert > 1 and len(op.groups[0]) == expert
+        if op.kind == "all-reduce" or exchange:
+            continue
+        peers = len(op.groups[0])
+        key = _where(op.kind, _crosses_hosts(op.groups))
+        sent[key] = sent.get(key, 0.0) + op.bytes * op.executions * (peers - 1) / peers
+    return sent
+
+
+def _priced(config, sizes) -> tuple[dict[tuple[str, str], float], float]:
+    """The model's bytes, keyed as `_compiled`'s, and the quantized blocks' padding bound."""
+    sent: dict[tuple[str, str], float] = {}
+    slack = 0.0
+    block = qz.BLOCK
+    for t in traffic.step_transfers(config, from_config(config, sizes), hosts=sizes[HOST]):
+        peers = math.prod(sizes[a] for a in t.axes)
+        key = _where(t.kind, HOST in t.axes)
+        sent[key] = sent.get(key, 0.0) + t.nbytes * t.count * (peers - 1) / peers
+        if t.name.endswith(".values"):  # a quantized collective: its values, then its scales
+            bits = 8 if t.kind == "all-gather" else config.zero_optimization.quantized_gradient_bits
+            slack += t.count * (peers - 1) / peers * 2 * (block * bits / 8 + 4)
+    return sent, slack
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_byte_model_is_what_the_compiled_zero3_step_moves(case):
+    engine = js.initialize(tiny_config(*HOSTS2, *CASES[case]))
+    assert engine.explicit_zero is not None
+    priced, slack = _priced(engine.config, dict(engine.mesh.shape))
+    compiled = _compiled(engine)
+    assert set(priced) == set(compiled)
+    for key, nbytes in compiled.items():
+        assert abs(priced[key] - nbytes) <= slack, (key, priced[key], nbytes, slack)
