@@ -16,6 +16,7 @@ asserted. The MoE's token exchange (all-to-alls over `expert`) is priced apart
 
 import math
 
+import numpy as np
 import pytest
 
 import jaxspeed as js
@@ -25,6 +26,7 @@ from jaxspeed.cost import hlo
 from jaxspeed.ops import quantize as qz
 from jaxspeed.runtime.mesh import HOST
 from test_engine import tiny_config
+from test_zero_step import NESTED_PIPELINE
 
 Z = "zero_optimization."
 HOSTS2 = ["mesh.data=8", "mesh.hosts=2", Z + "stage=3", Z + "collectives=explicit"]
@@ -105,3 +107,34 @@ def test_the_byte_model_is_what_the_compiled_zero3_step_moves(case):
     assert set(priced) == set(compiled)
     for key, nbytes in compiled.items():
         assert abs(priced[key] - nbytes) <= slack, (key, priced[key], nbytes, slack)
+
+
+@NESTED_PIPELINE
+def test_the_byte_model_prices_each_pipeline_stages_zero3_collectives():
+    """With `mesh.pipe=2` (1F1B, 2 microbatches, hpZ): each stage gathers and reduce-scatters
+    its own layers, in each forward and backward of its schedule. Those collectives sit in the
+    schedule's `lax.switch` branches, which the HLO cannot count (each branch counts once a
+    loop step), so this compares what each moves: the model's collectives, buffer by buffer,
+    are the compiled step's ZeRO collectives (the pipeline's own permutes and sums over `pipe`
+    left out), and every one runs inside one stage's devices."""
+    engine = js.initialize(tiny_config(
+        "mesh.data=4", "mesh.pipe=2", "mesh.hosts=2", Z + "stage=3", LAYER,
+        "pipeline.num_microbatches=2", Z + "zero_hpz_partition_size=2"))
+    assert engine.explicit_zero is not None
+    sizes = dict(engine.mesh.shape)
+    where = engine.mesh.axis_names.index("pipe")
+    stage_of = {d.id: index[where] for index, d in np.ndenumerate(engine.mesh.devices)}
+    compiled, once = set(), 0
+    for op in hlo.collectives(engine.compile_train_step().as_text(), num_devices=8):
+        if op.kind in ("all-gather", "reduce-scatter"):
+            assert all(len({stage_of[d] for d in group}) == 1 for group in op.groups), op
+            compiled.add((op.kind, op.bytes, _crosses_hosts(op.groups)))
+            if op.computation.startswith("main"):  # outside the schedule's loop
+                once += op.bytes * op.executions
+    transfers = traffic.step_transfers(engine.config, from_config(engine.config, sizes),
+                                       hosts=sizes[HOST])
+    assert {(t.kind, t.nbytes, HOST in t.axes) for t in transfers} == compiled
+    # once a step: hpZ's secondary copy of the layers and the rest, gathered and
+    # reduce-scattered (the pipeline sums their gradients over its microbatches itself)
+    assert sum(t.nbytes * t.count for t in transfers
+               if HOST in t.axes or not t.name.endswith(".layers")) == once

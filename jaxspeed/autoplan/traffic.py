@@ -318,15 +318,21 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
                 out += gather(f"zero3.backward_gather.{label}", matrices * micro,
                               elements=elements - layered_vectors, leaves=matrices)
         remaining = elements / leaves
-        for axes in reversed(stages):
+        # what is gathered at each use reduce-scatters there; the rest (hpZ's secondary copy
+        # too) once a microbatch, or once a step under a pipeline, which sums its own
+        # microbatches' gradients
+        once = 1 if sizes["pipe"] > 1 else micro
+        for i, axes in reversed(list(enumerate(stages))):
+            per_use = per_layer and not (len(stages) > 1 and i == 0)
+            scatters = leaves * (micro if per_use else once)
             for group in ([(a,) for a in across_hosts_last(axes)] if sw.gradient_bits
                           else [axes]):
                 if sw.gradient_bits:
                     out += _quantized(f"zero3.grad_all_to_all.{label}", "all-to-all", remaining,
-                                      sw.gradient_bits, sw.block, group, leaves * micro)
+                                      sw.gradient_bits, sw.block, group, scatters)
                 else:
                     pieces = math.ceil(remaining / sw.bucket) if sw.bucket else 1
                     out.append(Transfer(f"zero3.grad_reduce_scatter.{label}", "reduce-scatter",
-                                        4 * remaining / pieces, group, leaves * micro * pieces))
+                                        4 * remaining / pieces, group, scatters * pieces))
                 remaining /= math.prod(sizes[a] for a in group)
     return [t for t in out if t.axes and t.nbytes > 0]

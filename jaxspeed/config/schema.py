@@ -124,8 +124,8 @@ class ZeroConfig(_Section):
     #: How stage 3 gathers params and reduces gradients: `explicit` = `all_gather` /
     #: reduce-scatter written in the step (`jaxspeed.sharding.zero_collectives`), `compiler`
     #: = a sharding XLA partitions (on CPU: all-reduce + slice), `auto` = explicit where the
-    #: mesh spans hosts or a ZeRO++ switch is on and it is supported (mesh.pipe and
-    #: sequence 1), else compiler (`jaxspeed.train.zero_step.runs_explicit`).
+    #: mesh spans hosts or a ZeRO++ switch is on and it is supported (mesh.sequence 1),
+    #: else compiler (`jaxspeed.train.zero_step.runs_explicit`).
     collectives: Literal["auto", "explicit", "compiler"] = "auto"
     #: ZeRO++ qwZ: weight all-gathers move int8 block-quantized values (dequantized after).
     zero_quantized_weights: _Bool = False

@@ -52,13 +52,17 @@ def _wide_psum(a, axis: str):
     return lax.psum(a, axis)
 
 
-def _varying(tree: PyTree, axis: str) -> PyTree:
-    """Marks every leaf as varying over `axis` (scan carries inside shard_map need it).
+def _varying(tree: PyTree) -> PyTree:
+    """Marks every leaf as varying over the manual axes of size > 1: `pipe`, and those of an
+    enclosing `shard_map` (explicit ZeRO-3's, whose params vary over these only) where there
+    is one (scan carries inside shard_map need it).
 
-    Under autodiff the cast transposes to a psum over `axis`, in fp32 for a 16-bit leaf
-    (`make_varying`).
+    Under autodiff the cast transposes to a psum over the axes it adds, in fp32 for a 16-bit
+    leaf (`make_varying`).
     """
-    return jax.tree.map(lambda a: make_varying(a, (axis,)), tree)
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in mesh.manual_axes if mesh.shape[a] > 1)
+    return jax.tree.map(lambda a: make_varying(a, axes), tree)
 
 
 def _zeros(tree: PyTree, lead: tuple[int, ...] = ()) -> PyTree:
@@ -121,7 +125,7 @@ def _pipeline_body(
     rows = {name: getattr(plan, name) for name in ExecutionPlan._fields[:10]}
 
     def body(params, inputs, loss_params, loss_inputs):
-        vary = functools.partial(_varying, axis=axis)
+        vary = _varying
         # Cast the pipe-replicated operands to varying here, once: under autodiff the cast
         # transposes to a psum, which must not land inside a per-device `lax.switch` branch.
         inputs, loss_params, loss_inputs = vary((inputs, loss_params, loss_inputs))
@@ -280,11 +284,14 @@ def _pipeline_body(
 
 
 def run_plan(stage_fn, loss_fn, plan, *, mesh, axis, mode):
-    """shard_map of `_pipeline_body`: manual over `axis` only, the other axes stay Auto."""
+    """shard_map of `_pipeline_body`: manual over `axis` only, the other axes stay Auto.
+    Inside another `shard_map` (explicit ZeRO-3's, manual over the data-parallel axes) it
+    nests in that map's mesh."""
     out_specs = {"outputs": P(), "loss": P(), "train": (P(), P(None, axis), P(), P())}[mode]
+    context = jax.sharding.get_abstract_mesh()
     return jax.shard_map(
         _pipeline_body(stage_fn, loss_fn, plan, axis=axis, mode=mode),
-        mesh=mesh,
+        mesh=context if context.manual_axes else mesh,
         in_specs=(P(None, axis), P(), P(), P()),
         out_specs=out_specs,
         axis_names={axis},

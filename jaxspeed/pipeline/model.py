@@ -125,7 +125,6 @@ def pipelined_lm_objective(
         raise ConfigError(f"pipeline: {err}") from None
     slots = layer_slots(model.num_units, mesh.shape["pipe"] * virtual_stages, partition)
     layer = model.layer_stack(1)
-    rows_only = P(tuple(a for a in DATA_PARALLEL_AXES if a in mesh.axis_names))
 
     def run_layer(x, one):
         params, gate = one
@@ -140,7 +139,10 @@ def pipelined_lm_objective(
     def head_loss(head_params, y, extra):
         with nn.logical_axis_rules(()):  # see the note above
             logits = model.apply({"params": head_params}, y, method="logits")
-        logits = jax.lax.with_sharding_constraint(logits, rows_only)
+        # rows over the data-parallel axes left automatic (explicit ZeRO-3 holds them manual)
+        manual = jax.sharding.get_abstract_mesh().manual_axes
+        rows = tuple(a for a in DATA_PARALLEL_AXES if a in mesh.axis_names and a not in manual)
+        logits = jax.lax.with_sharding_constraint(logits, P(rows))
         return loss_fn(logits, extra)
 
     def objective(params, batch):

@@ -70,10 +70,10 @@ def _validate(stage_fn, stage_params, inputs, loss_inputs, *, m, stages, v, inte
             "inputs: with a loss_fn, '1f1b' and 'interleaved' need floating-point activation "
             "leaves; pass integer data (token ids, masks) through loss_inputs or stage_params"
         )
-    one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stage_params)
-    x = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct((a.shape[0] // m, *a.shape[1:]), a.dtype), inputs
-    )
+    # slices, not shapes: inside another `shard_map` (explicit ZeRO-3's) they keep the axes
+    # they vary over, which a scan's carry must match
+    one_stage = jax.tree.map(lambda a: a[0], stage_params)
+    x = jax.tree.map(lambda a: a[: a.shape[0] // m], inputs)
     y = jax.eval_shape(stage_fn, one_stage, x)
     same = jax.tree.structure(y) == jax.tree.structure(x) and all(
         (a.shape, a.dtype) == (b.shape, b.dtype)
@@ -144,7 +144,11 @@ def spmd_pipeline(
         raise ValueError(f"axis={axis!r} is not a mesh axis; the mesh has {mesh.axis_names}")
     stages, v, m = mesh.shape[axis], virtual_stages, num_microbatches
     check_schedule_args(schedule, stages, m, v)
-    interleave_fb = loss_fn is not None and schedule != "gpipe"
+    # inside another `shard_map` (explicit ZeRO-3's) GPipe runs its F/B table too: autodiff
+    # through the nested map fails to lower on jax 0.12 (Shardy refuses the saved values'
+    # specs, which name the outer map's manual axes)
+    nested = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    interleave_fb = loss_fn is not None and (schedule != "gpipe" or nested)
     _validate(
         stage_fn, stage_params, inputs, loss_inputs, m=m, stages=stages, v=v,
         interleave_fb=interleave_fb,

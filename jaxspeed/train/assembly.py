@@ -108,7 +108,7 @@ def fp8_recipe(config: Config) -> Fp8Recipe | None:
     return Fp8Recipe(fp8.recipe, fp8.amax_history_length, tuple(fp8.skip))
 
 
-def step_objective(config: Config, mesh: Mesh, fns: ModelFns, loss_fn, model):
+def step_objective(config: Config, mesh: Mesh, fns: ModelFns, model, loss_fn):
     """The step's `(params, batch, rng, train) -> (loss, extras)` (see `train_step.Objective`).
 
     The model's loss plus the auxiliary losses it records (logged as `aux_loss`, beside the

@@ -65,9 +65,8 @@ class Engine:
         host_update = config.zero_optimization.offload_optimizer.update_on == "host"
         self.onebit_axes = onebit_axes(config, mesh)
         self._streams = getattr(model, "stream_layers", None) is not None
-        self.tx, self.schedule = build_optimizer(
-            config, clip_outside=host_update, axis_name=self.onebit_axes
-        )
+        self.tx, self.schedule = build_optimizer(config, clip_outside=host_update,
+                                                 axis_name=self.onebit_axes)
         self.compute_dtype = precision.compute_dtype(config)
         self._checkpointers: dict[str, Checkpointer] = {}
         self._compiled: dict[str | None, Any] = {}
@@ -76,9 +75,10 @@ class Engine:
         self.explicit_zero = explicit_zero(
             config, mesh, plan, model, compute_dtype=self.compute_dtype,
             param_count=self.param_count)
-        zero_fns = fns if self.explicit_zero is None else self.explicit_zero.objective_fns(fns)
+        parts = (fns, model) if self.explicit_zero is None else (
+            self.explicit_zero.objective_parts(fns, model))
         self._spec = StepSpec(
-            objective=step_objective(config, mesh, zero_fns, loss_fn, model),
+            objective=step_objective(config, mesh, *parts, loss_fn),
             tx=self.tx,
             schedule=self.schedule,
             # with a pipeline, its microbatches are the accumulation steps (one scan fewer)

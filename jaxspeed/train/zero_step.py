@@ -4,9 +4,12 @@ axes `host`, `data` and `expert`.
 Inside the map each data-parallel worker holds its rows, its ZeRO shard of every param and,
 with an expert axis, its experts; the MoE layers exchange tokens with the experts' owners
 inside the map. `tensor` stays automatic: the weights stay split over it, and the leaves
-split over it gather inside each tensor group (`zero_collectives.gather_leaves`). `pipe` and
-`sequence` must have size 1 (`_unsupported`). With `offload_param`, the shards live on the
-host and come in where they are gathered (a layer's one layer at a time). The loss is
+split over it gather inside each tensor group (`zero_collectives.gather_leaves`). With
+`pipe`, the pipeline's `shard_map` nests inside this one: each stage gathers its own layers
+where it runs them, forward and again in the backward of its F/B schedule (GPipe's too, as
+`spmd_pipeline` runs it there; jax 0.12 or later). `sequence` must have size 1
+(`_unsupported`). With `offload_param`, the shards live on the host and come in where they
+are gathered (a layer's one layer at a time). The loss is
 differentiated w.r.t. the shards; the gathers (`jaxspeed.sharding.zero_collectives`) run
 where the params are used, and their transposes reduce-scatter the gradients, so each worker
 ends with the gradient of its own shard, summed over workers in fp32, and the update runs on
@@ -78,13 +81,15 @@ class ZeroStep:
     compute_dtype: Any
     model: Any = None
 
-    def objective_fns(self, fns):
-        """`fns` (a `ModelFns`) applying the model with its per-layer gather, where it has one."""
+    def objective_parts(self, fns, model):
+        """`fns` (a `ModelFns`) and `model` as the step's objective uses them: applying the
+        model with its per-layer gather, where it has one (a pipeline's stages run its
+        `layer_stack`, so they gather their own layers)."""
         if self.model is None:
-            return fns
+            return fns, model
         from jaxspeed.train.adapters import linen_apply
 
-        return fns._replace(apply=linen_apply(self.model))
+        return fns._replace(apply=linen_apply(self.model)), self.model
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -189,12 +194,18 @@ def _is_gather(x) -> bool:
     return x is None or isinstance(x, zl.LeafGather)
 
 
+#: The first jax whose XLA compiles a pipeline nested in the step's map.
+NESTED_PIPELINE_JAX = (0, 12)
+
+
 def _unsupported(config, mesh: Mesh) -> str | None:
     """Why stage 3 cannot run with explicit collectives here (None: it can)."""
     zero = config.zero_optimization
-    for axis in (PIPE, SEQUENCE):
-        if mesh.shape.get(axis, 1) > 1:
-            return f"mesh.{axis}={mesh.shape[axis]}"
+    if mesh.shape.get(SEQUENCE, 1) > 1:
+        return f"mesh.sequence={mesh.shape[SEQUENCE]}"
+    if mesh.shape.get(PIPE, 1) > 1 and jax.__version_info__ < NESTED_PIPELINE_JAX:
+        # its XLA aborts on the nested map's manual axes ("Manual axes must be sorted")
+        return f"mesh.pipe={mesh.shape[PIPE]} on jax {jax.__version__} (0.12 or later runs it)"
     if config.fp8.enabled and config.fp8.recipe == "delayed":  # its state is not carried there
         return "fp8.recipe=delayed"
     if zero.fp8_all_gather:  # the sharding path gathers what the FP8 matmuls read
@@ -264,8 +275,8 @@ def runs_explicit(config, mesh: Mesh) -> bool:
     explicit step was 1.08x faster on an AVX-512 one, `zero_paths.py`) and where the explicit
     step peaked higher until its groups moved in runs of whole leaves (now within 1.5% on
     `zero_memory.py`'s 100M model; benchmarks/README). `explicit` and the ZeRO++
-    switches refuse (one `ConfigError`) where they cannot run: a pipeline or a sequence axis,
-    delayed FP8 scaling, `fp8_all_gather`. With an `expert` axis the MoE layers exchange tokens inside the step's map
+    switches refuse (one `ConfigError`) where they cannot run: a sequence axis, delayed FP8
+    scaling, `fp8_all_gather`. With an `expert` axis the MoE layers exchange tokens inside the step's map
     (`jaxspeed.moe.parallel.moe_ffn`).
     """
     zero = config.zero_optimization
