@@ -106,6 +106,13 @@ CONFIGS: dict[str, Case] = {
     "moe_auto": Case("moe_flat", ("model.moe.parallelism=auto", "model.moe.all_to_all=hierarchical",
                                   "model.moe.a2a_chunks=auto"),
                      (*_MOE, "model.moe.cluster={cluster}"), config=_MOE_CONFIG),
+    # the same with the dense weights on ZeRO++ (issue 58): qwZ and qgZ over the expert axis
+    # that spans both hosts (hpZ needs a `host` axis to keep a copy inside; there is none)
+    "moe_auto_zeropp": Case("moe_flat", (
+        "model.moe.parallelism=auto", "model.moe.all_to_all=hierarchical",
+        "model.moe.a2a_chunks=auto", "zero_optimization.zero_quantized_weights=true",
+        "zero_optimization.zero_quantized_gradients=true"),
+        (*_MOE, "model.moe.cluster={cluster}"), config=_MOE_CONFIG),
 }
 #: compared beside their baselines too: the issue wants 0/1 Adam at least as fast as 1-bit Adam
 RIVALS = (("zero_one_adam", "onebit_adam"),)
