@@ -263,9 +263,9 @@ def _quantized(name: str, kind: str, elements: float, bits: int, block: int,
 def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers, *,
            gloo: bool, layered_vectors: float = 0.0) -> list[Transfer]:
     """ZeRO-3's gathers and reduce-scatters (the explicit step's, ZeRO++ switches included),
-    checked against the compiled step (`tests/test_zero3_traffic.py`): what is gathered once per step is gathered before the microbatches,
-    once; what is gathered layer by layer, at each use in each microbatch, and again in the
-    backward pass: its matrices always (the vectors of `layered_vectors` too where they move
+    checked against the compiled step (`tests/test_zero3_traffic.py`): what is gathered once
+    per step is gathered before the microbatches, once; what is gathered layer by layer, at
+    each use in each microbatch, and again in the backward pass: its matrices always (the vectors of `layered_vectors` too where they move
     in one buffer with them, or where remat recomputes the layers)."""
     zero = config.zero_optimization
     sw = switches_of(zero, gloo=gloo)._replace(  # the plan's switches, the config's bits, block

@@ -125,10 +125,9 @@ def _pipeline_body(
     rows = {name: getattr(plan, name) for name in ExecutionPlan._fields[:10]}
 
     def body(params, inputs, loss_params, loss_inputs):
-        vary = _varying
         # Cast the pipe-replicated operands to varying here, once: under autodiff the cast
         # transposes to a psum, which must not land inside a per-device `lax.switch` branch.
-        inputs, loss_params, loss_inputs = vary((inputs, loss_params, loss_inputs))
+        inputs, loss_params, loss_inputs = _varying((inputs, loss_params, loss_inputs))
         params = jax.tree.map(lambda a: a[:, 0], params)
         v = jax.tree.leaves(params)[0].shape[0]
         device = lax.axis_index(axis)
@@ -161,7 +160,7 @@ def _pipeline_body(
             )
             carry["dinputs"] = _zeros(inputs)
             carry["dloss_params"] = _zeros(loss_params)
-        carry = vary(carry)
+        carry = _varying(carry)
 
         def receive(c, r, send_f, send_b):
             recv = lax.ppermute(send_f, axis, fwd_perm)
@@ -219,7 +218,7 @@ def _pipeline_body(
             def outputs(p, y=zero_x, loss=zero_loss, dlp=zero_dlp, dy=zero_x, dp=None,
                         dx=zero_x):
                 dp = dp if dp is not None else _zeros(p)
-                return vary((y, loss, dlp, dy, dp, dx))
+                return _varying((y, loss, dlp, dy, dp, dx))
 
             def idle(ops):
                 return outputs(ops[0])
