@@ -17,7 +17,6 @@ asserted. The MoE's token exchange (all-to-alls over `expert`) is priced apart
 
 import math
 
-import numpy as np
 import pytest
 
 import jaxspeed as js
@@ -27,11 +26,10 @@ from jaxspeed.cost import hlo
 from jaxspeed.ops import quantize as qz
 from jaxspeed.runtime.mesh import HOST
 from test_engine import tiny_config
-from test_zero_step import NESTED_PIPELINE
+from test_zero_step import NESTED_PIPELINE, _coordinates, _crosses_hosts
 
 Z = "zero_optimization."
 HOSTS2 = ["mesh.data=8", "mesh.hosts=2", Z + "stage=3", Z + "collectives=explicit"]
-HOST_SIZE = 4  # devices per emulated host
 LAYER, REMAT, BF16 = Z + "max_live_parameters=0", "activation_checkpointing.policy=full", "bf16.enabled=true"
 QW, QG = Z + "zero_quantized_weights=true", Z + "zero_quantized_gradients=true"
 TENSOR = ["mesh.data=4", "mesh.tensor=2"]  # 2 data x 2 tensor in each host
@@ -56,10 +54,6 @@ CASES = {
 }
 
 
-def _crosses_hosts(groups) -> bool:
-    return any(len({d // HOST_SIZE for d in group}) > 1 for group in groups)
-
-
 def _where(kind: str, crosses: bool) -> tuple[str, str]:
     return ("gather" if kind == "all-gather" else "scatter", "cross" if crosses else "intra")
 
@@ -76,7 +70,7 @@ def _compiled(engine) -> dict[tuple[str, str], float]:
         if op.kind == "all-reduce" or exchange:
             continue
         peers = len(op.groups[0])
-        key = _where(op.kind, _crosses_hosts(op.groups))
+        key = _where(op.kind, _crosses_hosts(op))
         sent[key] = sent.get(key, 0.0) + op.bytes * op.executions * (peers - 1) / peers
     return sent
 
@@ -120,13 +114,12 @@ def test_the_byte_model_prices_each_pipeline_stages_zero3_collectives():
         "pipeline.num_microbatches=2", Z + "zero_hpz_partition_size=2"))
     assert engine.explicit_zero is not None
     sizes = dict(engine.mesh.shape)
-    where = engine.mesh.axis_names.index("pipe")
-    stage_of = {d.id: index[where] for index, d in np.ndenumerate(engine.mesh.devices)}
+    stage_of = _coordinates(engine.mesh, "pipe")
     compiled, once = set(), 0
     for op in hlo.collectives(engine.compile_train_step().as_text(), num_devices=8):
         if op.kind in ("all-gather", "reduce-scatter"):
             assert all(len({stage_of[d] for d in group}) == 1 for group in op.groups), op
-            compiled.add((op.kind, op.bytes, _crosses_hosts(op.groups)))
+            compiled.add((op.kind, op.bytes, _crosses_hosts(op)))
             if op.computation.startswith("main"):  # outside the schedule's loop
                 once += op.bytes * op.executions
     transfers = traffic.step_transfers(engine.config, from_config(engine.config, sizes),

@@ -291,6 +291,8 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
     for label, elements, leaves, per_layer in parts:
         if not elements:  # the experts' pass has no "other" part
             continue
+        # hpZ's first stage of what is gathered per layer: the secondary copy, once a step
+        secondary = per_layer and len(stages) > 1
         gathered = 1
         for i, axes in enumerate(stages):
             gathered *= math.prod(sizes[a] for a in axes)
@@ -304,7 +306,7 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
                 runs = math.ceil(n / sw.bucket) if sw.bucket and sw.grouped else 1  # about
                 return [Transfer(name, "all-gather", n * width / runs, axes, count * runs)]
 
-            if per_layer and len(stages) > 1 and i == 0:  # hpZ's secondary copy
+            if secondary and i == 0:
                 out += gather(f"zero3.secondary_gather.{label}", leaves)
                 continue
             out += gather(f"zero3.forward_gather.{label}", leaves * (micro if per_layer else 1))
@@ -323,7 +325,7 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
         # microbatches' gradients
         once = 1 if sizes["pipe"] > 1 else micro
         for i, axes in reversed(list(enumerate(stages))):
-            per_use = per_layer and not (len(stages) > 1 and i == 0)
+            per_use = per_layer and not (secondary and i == 0)
             scatters = leaves * (micro if per_use else once)
             for group in ([(a,) for a in across_hosts_last(axes)] if sw.gradient_bits
                           else [axes]):
