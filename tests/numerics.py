@@ -39,6 +39,11 @@ test was first run on. The tolerances here come from one stated model:
    in that dtype. `casts` such roundings chained from the inputs to the compared value add, as
    point 2, to `sum_rtol(casts, dtype)` on top of the fp32 program's rtol (`mixed_rtol`).
 
+5. **Muon** orthogonalizes each weight matrix's momentum with a Newton–Schulz iteration, which
+   magnifies a relative error of its input by up to `newton_schulz_gain`: a derivative bound
+   from the input's singular values, or `2 * 3.4445**5` (~1000) for the worst input. Its update
+   is otherwise a fixed multiple of the result (`muon_params_atol`).
+
 Exact equality stays where two programs are the same program (a resume, the same mesh).
 """
 
@@ -135,3 +140,50 @@ def mixed_rtol(*, width: int, depth: int, casts: int, dtype: str) -> float:
       dtype: the low-precision dtype.
     """
     return program_rtol(width=width, depth=depth) + sum_rtol(casts, dtype)
+
+
+
+#: Muon's quintic Newton–Schulz coefficients (`jaxspeed.optim.muon.NS_COEFFS`).
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz_gain(singular_values=None, *, steps: int = 5) -> float:
+    """How much Muon's Newton–Schulz magnifies a perturbation of its input, relative to the
+    input's Frobenius norm (model point 5).
+
+    The input is first scaled to unit norm, which at most doubles a relative error. Then the
+    iteration applies `f`, `steps` compositions of `p(s) = a s + b s^3 + c s^5`, to the singular
+    values. To first order a spectral function moves by at most the largest of `|f'|` between
+    the smallest and the largest singular value (divided differences, by the mean value
+    theorem) and `f(s) / s` at each one (a rectangular matrix's extra directions). Given the
+    input's `singular_values` that is computed on them; without, the worst case over all inputs
+    is `f'(0) = a**steps` (`b < 0` makes `|p'|` largest at 0).
+    """
+    a, b, c = NS_COEFFS
+    if singular_values is None:
+        return 2.0 * a**steps
+    s = np.asarray(singular_values, np.float64)
+    s = s / np.linalg.norm(s)
+    x = np.concatenate([np.linspace(s.min(), s.max(), 2001), s])
+    slope = np.ones_like(x)
+    for _ in range(steps):
+        slope *= a + 3 * b * x**2 + 5 * c * x**4
+        x = a * x + b * x**3 + c * x**5
+    ratio = x[-len(s):] / np.maximum(s, 1e-30)
+    return 2.0 * float(max(np.abs(slope).max(), ratio.max()))
+
+
+def muon_params_atol(*, steps: int, lr: float, rho: float, stack: int, fan_in: int,
+                     fan_out: int, gain: float, rms_scale: float = 0.2, ns_steps: int = 5) -> float:
+    """Bound on `|p - p_ref|_2` of one Muon-updated leaf (`stack` matrices of `fan_in x fan_out`)
+    after `steps` steps, when the runs' gradients differ by a relative `rho` (model point 5).
+
+    Relative to their Frobenius norm the gradients differ by `4 * rho` (a bell-shaped
+    gradient's largest value is ~4 standard deviations, as in point 3); the iteration's
+    `3 * ns_steps` chained matmuls add their own rounding. `gain` (`newton_schulz_gain`)
+    magnifies both into the orthogonalized matrix, whose update is that times
+    `lr * rms_scale * sqrt(max(fan_in, fan_out))`; the stack's matrices add in quadrature.
+    """
+    width = max(fan_in, fan_out)
+    error = gain * (4.0 * rho + program_rtol(width=width, depth=3 * ns_steps))
+    return steps * lr * rms_scale * math.sqrt(stack * width) * error

@@ -175,6 +175,34 @@ class ZeroOneAdamParams(_OptimizerParams):
     comm_backend_name: Annotated[str, Field(strict=True)] = "nccl"
 
 
+#: Path globs of the params Muon leaves to AdamW: embeddings, the LM head, norms, biases.
+MUON_ADAMW_PARAMS = ("*embed*", "*head", "*norm*", "*bias")
+
+
+class MuonParams(_OptimizerParams):
+    """Muon on the weight matrices, AdamW on the rest (`jaxspeed.optim.muon`). `lr` and
+    `weight_decay` are both parts'; with `rms_scale` 0.2 AdamW's values carry over."""
+
+    momentum: Annotated[_Float, Field(ge=0, lt=1)] = 0.95
+    nesterov: Bool = True
+    ns_steps: Annotated[_Count, Field(ge=1)] = 5
+    #: the Muon update's RMS (Moonlight: 0.2, AdamW's)
+    rms_scale: Annotated[_Float, Field(gt=0)] = 0.2
+    #: each attention head's projection is its own matrix
+    split_heads: Bool = False
+    #: globs of `/`-joined param paths AdamW updates (leaves that are not matrices always do)
+    adamw_params: tuple[Annotated[str, Field(strict=True)], ...] = MUON_ADAMW_PARAMS
+    #: null: `lr`
+    adamw_lr: _Float | None = None
+    #: null: `weight_decay`
+    adamw_weight_decay: _Float | None = None
+    betas: _Betas = (0.9, 0.999)
+    eps: _Float = 1e-8
+    #: where each matrix's Newton–Schulz runs: on its owners (`owner`), where its momentum
+    #: lives (`sharded`), or `owner` for state split inside its matrices (`auto`)
+    placement: Literal["auto", "owner", "sharded"] = "auto"
+
+
 AdamConfig = _typed("optimizer", "Adam", AdamParams)
 AdamWConfig = _typed("optimizer", "AdamW", AdamWParams)  # the default optimizer
 SGDConfig = _typed("optimizer", "SGD", SGDParams)
@@ -184,6 +212,7 @@ OneBitAdamConfig = _typed("optimizer", "OneBitAdam", OneBitAdamParams)
 LambConfig = _typed("optimizer", "Lamb", LambParams)
 OneBitLambConfig = _typed("optimizer", "OneBitLamb", OneBitLambParams)
 ZeroOneAdamConfig = _typed("optimizer", "ZeroOneAdam", ZeroOneAdamParams)
+MuonConfig = _typed("optimizer", "Muon", MuonParams)
 #: The optimizers whose workers keep gradients local and exchange 1-bit compressed momentum.
 ONEBIT_TYPES = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
 
@@ -234,7 +263,7 @@ WarmupCosineConfig = _typed("scheduler", "WarmupCosine", WarmupCosineParams)
 
 _Optimizers = (
     AdamConfig | AdamWConfig | SGDConfig | LionConfig | AdafactorConfig | OneBitAdamConfig
-    | LambConfig | OneBitLambConfig | ZeroOneAdamConfig
+    | LambConfig | OneBitLambConfig | ZeroOneAdamConfig | MuonConfig
 )
 _Schedulers = ConstantConfig | WarmupLRConfig | WarmupDecayLRConfig | WarmupCosineConfig
 

@@ -28,6 +28,7 @@ from jaxspeed.config.optimizer import (
     AdamParams,
     AdamWParams,
     LionParams,
+    MuonParams,
     ONEBIT_TYPES,
     LambParams,
     OneBitAdamParams,
@@ -237,6 +238,18 @@ def _zero_one_adam(
     )
 
 
+def _muon(p: MuonParams, lr: optax.ScalarOrSchedule, layout) -> optax.GradientTransformation:
+    from jaxspeed.optim.muon import Layout, muon
+
+    return muon(
+        lr, beta=p.momentum, nesterov=p.nesterov, ns_steps=p.ns_steps, rms_scale=p.rms_scale,
+        weight_decay=p.weight_decay, split_heads=p.split_heads, adamw_params=p.adamw_params,
+        adamw_learning_rate=p.adamw_lr, adamw_betas=p.betas, adamw_eps=p.eps,
+        adamw_weight_decay=p.adamw_weight_decay, placement=p.placement,
+        layout=layout or Layout(),
+    )
+
+
 _BUILDERS: dict[str, Callable[[Any, optax.ScalarOrSchedule], optax.GradientTransformation]] = {
     "Adam": lambda p, lr: _adam(p, lr, decoupled=p.adam_w_mode),
     "AdamW": functools.partial(_adam, decoupled=True),
@@ -248,7 +261,7 @@ _BUILDERS: dict[str, Callable[[Any, optax.ScalarOrSchedule], optax.GradientTrans
 
 
 def make_optimizer(
-    optimizer_cfg, *, learning_rate: optax.ScalarOrSchedule, axis_name=None
+    optimizer_cfg, *, learning_rate: optax.ScalarOrSchedule, axis_name=None, layout=None
 ) -> optax.GradientTransformation:
     """Builds the optax optimizer for `optimizer: {type, params}` (DeepSpeed param names).
 
@@ -265,12 +278,16 @@ def make_optimizer(
     - `Lamb`: `jaxspeed.optim.lamb` (FusedLamb's clamped trust ratio).
     - `OneBitLamb`: `jaxspeed.optim.onebit_lamb`, communicating over `axis_name`.
     - `ZeroOneAdam`: `jaxspeed.optim.zero_one_adam`, communicating over `axis_name`.
+    - `Muon`: `jaxspeed.optim.muon` on the weight matrices (by `layout`'s logical axes),
+      AdamW on the rest.
 
     Args:
       optimizer_cfg: an `OptimizerConfig` (or an object with `.type` and `.params`, validated
         as the config's `optimizer`).
       learning_rate: float or `optax.Schedule`; it replaces `params.lr`.
       axis_name: for the 1-bit optimizers, the data-parallel mesh axes of their all-reduce.
+      layout: for Muon, the params' `jaxspeed.optim.muon.Layout` (None: 2-D leaves are the
+        matrices, each where it lives).
 
     Returns:
       The optimizer as an `optax.GradientTransformation`.
@@ -286,6 +303,8 @@ def make_optimizer(
         return _onebit_lamb(cfg.params, learning_rate, axis_name)
     if cfg.type == "ZeroOneAdam":
         return _zero_one_adam(cfg.params, learning_rate, axis_name)
+    if cfg.type == "Muon":
+        return _muon(cfg.params, learning_rate, layout)
     return _BUILDERS[cfg.type](cfg.params, learning_rate)
 
 
@@ -313,7 +332,7 @@ def onebit_phases(optimizer_cfg) -> tuple[tuple[str, ...], Callable[[int], str]]
 
 
 def build_optimizer(
-    config, *, clip_outside: bool = False, axis_name=None
+    config, *, clip_outside: bool = False, axis_name=None, plan=None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Builds the clipped optimizer and its lr schedule from the full config.
 
@@ -325,6 +344,8 @@ def build_optimizer(
         update: optax's global norm cannot run as a host computation). `tx` then chains
         `optax.identity()` in the clipping's place, so its state has the same structure.
       axis_name: the data-parallel axes (the 1-bit optimizers only).
+      plan: the params' `jaxspeed.sharding.Plan` (Muon only: which axes of a leaf are its
+        matrices, and where their Newton–Schulz runs; on the device unless `clip_outside`).
 
     Returns:
       `(tx, schedule)`: `tx` is `chain(clip_by_global_norm(c), optimizer)` when `c > 0`, else
@@ -348,7 +369,13 @@ def build_optimizer(
             raw["model"] = model
         config = load_config(raw)
     schedule = make_schedule(config.scheduler, base_lr=base_learning_rate(config.optimizer))
-    tx = make_optimizer(config.optimizer, learning_rate=schedule, axis_name=axis_name)
+    layout = None
+    if plan is not None and config.optimizer.type == "Muon":
+        from jaxspeed.optim.muon import layout_of
+
+        layout = layout_of(plan, placed=not clip_outside)
+    tx = make_optimizer(config.optimizer, learning_rate=schedule, axis_name=axis_name,
+                        layout=layout)
     clip = config.gradient_clipping
     if clip > 0:
         tx = optax.chain(optax.identity() if clip_outside else optax.clip_by_global_norm(clip), tx)

@@ -65,8 +65,8 @@ class Engine:
         host_update = config.zero_optimization.offload_optimizer.update_on == "host"
         self.onebit_axes = onebit_axes(config, mesh)
         self._streams = getattr(model, "stream_layers", None) is not None
-        self.tx, self.schedule = build_optimizer(config, clip_outside=host_update,
-                                                 axis_name=self.onebit_axes)
+        self.tx, self.schedule = build_optimizer(
+            config, clip_outside=host_update, axis_name=self.onebit_axes, plan=plan)
         self.compute_dtype = precision.compute_dtype(config)
         self._checkpointers: dict[str, Checkpointer] = {}
         self._compiled: dict[str | None, Any] = {}

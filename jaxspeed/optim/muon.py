@@ -1,0 +1,274 @@
+"""Muon (Jordan et al. 2024) with Moonlight's scaling (Liu et al. 2025), for stacked and sharded
+weights.
+
+`muon` is an optax `GradientTransformation`. For each weight matrix: Nesterov momentum, then the
+momentum orthogonalized by Newton–Schulz steps with the published quintic coefficients, scaled by
+`rms_scale · √max(m, n)` (0.2 matches AdamW's update RMS, so AdamW's lr and weight decay carry
+over), decoupled weight decay, `-lr`. Every other leaf (embeddings, the LM head, norms, biases)
+takes AdamW's update inside the same transformation, with its own lr and weight decay. Its state
+is `optax.partition`'s: the matrices' momentum and AdamW's moments, each shaped like its params.
+
+Which axes of a leaf are the matrix comes from its logical axes (Flax partitioning metadata):
+`layers` (a scanned stack) and `expert` are batch axes, so each layer and each expert is its own
+matrix; `embed` (the residual stream) is one side and the other axes are the other. With
+`split_heads`, `heads` is a batch axis too: each head's projection is its own matrix. A leaf
+without logical axes is a matrix when it is 2-D (optax's rule).
+
+Where each matrix's Newton–Schulz runs (`Layout`): `sharded` iterates on the momentum where it
+lives and lets XLA partition the matmuls; `owner` reshards a leaf's stack of matrices so that each
+device holds whole matrices, a share of the stack (DistMuon's round robin, as a sharding), and
+iterates there without communication. `auto` picks `owner` for a leaf whose state is split
+inside its matrices, `sharded` (no communication at all) for one that is not.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxspeed.config.optimizer import MUON_ADAMW_PARAMS as ADAMW_PARAMS
+from jaxspeed.sharding.leaves import LeafPlan
+from jaxspeed.tree_paths import key_names
+
+#: Keller Jordan's quintic Newton–Schulz coefficients (Moonlight and Kimi K2 use them too).
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+#: Logical axes that stack independent matrices.
+BATCH_AXES = ("layers", "stage", "expert")
+Placement = Literal["auto", "owner", "sharded"]
+_MUON, _ADAMW = "muon", "adamw"
+
+
+class Layout(NamedTuple):
+    """What `muon` knows of the params beyond their shapes (each field optional).
+
+    Attributes:
+      logical_axes: a pytree like the params with a tuple of logical axis names (or None) for
+        each leaf.
+      opt_specs: a pytree like the params with each leaf's optimizer-state `PartitionSpec`.
+      mesh: the mesh of `opt_specs`; without it every matrix runs `sharded`.
+    """
+
+    logical_axes: Any = None
+    opt_specs: Any = None
+    mesh: Mesh | None = None
+
+
+def layout_of(plan, *, placed: bool = True) -> Layout:
+    """The `Layout` of a `jaxspeed.sharding.Plan`; `placed=False` leaves out its mesh (an update
+    on the host runs every matrix where it is)."""
+    def field(name):
+        return jax.tree.map(lambda leaf: getattr(leaf, name), plan.leaves,
+                            is_leaf=lambda x: isinstance(x, LeafPlan))
+
+    return Layout(field("logical"), field("opt"), plan.mesh if placed else None)
+
+
+class Matrix(NamedTuple):
+    """How one leaf is a stack of matrices: its batch, reduction and output axes."""
+
+    batch: tuple[int, ...]
+    reduction: tuple[int, ...]
+    output: tuple[int, ...]
+
+    def fans(self, shape) -> tuple[int, int]:
+        return (math.prod(shape[a] for a in self.reduction), math.prod(shape[a] for a in self.output))
+
+
+class MuonState(NamedTuple):
+    """The matrices' momentum (float32, like the params)."""
+
+    momentum: Any
+
+
+def matrix_of(path, shape, names, *, adamw_params=ADAMW_PARAMS, split_heads=False) -> Matrix | None:
+    """The matrix view of one leaf, or None for a leaf that AdamW updates."""
+    where = "/".join(key_names(path))
+    if any(fnmatch.fnmatchcase(where, pattern) for pattern in adamw_params):
+        return None
+    if names is None:
+        return Matrix((), (0,), (1,)) if len(shape) == 2 else None
+    batch_names = BATCH_AXES + (("heads",) if split_heads else ())
+    batch = tuple(i for i, name in enumerate(names) if name in batch_names)
+    rest = [i for i in range(len(shape)) if i not in batch]
+    if len(rest) < 2:
+        return None
+    if names[rest[-1]] == "embed" and names[rest[0]] != "embed":  # a projection back to `embed`
+        return Matrix(batch, tuple(rest[:-1]), (rest[-1],))
+    return Matrix(batch, (rest[0],), tuple(rest[1:]))  # Flax's layout: inputs first
+
+
+def newton_schulz(x: jax.Array, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-7) -> jax.Array:
+    """`x` (`[..., m, n]`) with each matrix's singular values pushed towards 1: about `U Vᵀ`.
+
+    Each step is `a X + (b A + c A²) X` with `A = X Xᵀ`, on the wide orientation, after
+    scaling each matrix to unit Frobenius norm.
+    """
+    a, b, c = coeffs
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.mT
+    x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if tall else x
+
+
+def _as_stack(x: jax.Array, m: Matrix):
+    """`x` as `[batch, fan_in, fan_out]`, and the function that undoes it."""
+    order = m.batch + m.reduction + m.output
+    moved = x.transpose(order)
+    batch = math.prod(x.shape[a] for a in m.batch)
+    stack = moved.reshape(batch, *m.fans(x.shape))
+    inverse = tuple(order.index(a) for a in range(x.ndim))
+    return stack, lambda s: s.reshape(moved.shape).transpose(inverse)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one `PartitionSpec` entry."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def _split_axes(spec: P, dims, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that split dimensions `dims` of arrays with `spec`."""
+    entries = [spec[d] if d < len(spec) else None for d in dims]
+    return tuple(axis for entry in entries for axis in _axes(entry) if mesh.shape[axis] > 1)
+
+
+def _orthogonalize(x, m: Matrix, *, steps, dtype, owner: NamedSharding | None):
+    """Newton–Schulz on each matrix of `x`, on `owner`'s devices when given (padding the stack
+    to a multiple of their number)."""
+    stack, unstack = _as_stack(x, m)
+    count = stack.shape[0]
+    if owner is not None:
+        devices = math.prod(owner.mesh.shape[a] for a in _axes(owner.spec[0]))
+        padded = -(-count // devices) * devices
+        stack = jnp.pad(stack, ((0, padded - count), (0, 0), (0, 0)))
+        stack = jax.lax.with_sharding_constraint(stack, owner)
+    out = newton_schulz(stack.astype(dtype), steps).astype(x.dtype)
+    return unstack(out[:count])
+
+
+def scale_by_muon(
+    matrix, *, beta: float = 0.95, nesterov: bool = True, ns_steps: int = 5, ns_dtype=None,
+    rms_scale: float = 0.2, owner=None,
+) -> optax.GradientTransformation:
+    """Momentum, Newton–Schulz and Moonlight's RMS scaling, for leaves that are all matrices.
+
+    Args:
+      matrix: `(key path, shape) -> Matrix`, how each leaf is a stack of matrices.
+      beta: the momentum's decay; `nesterov` adds `beta ×` the new momentum to the gradient.
+      ns_steps: Newton–Schulz steps.
+      ns_dtype: the iteration's dtype (None: bfloat16 on GPU, float32 elsewhere).
+      rms_scale: the update is scaled to RMS `rms_scale` (`× √max(fan_in, fan_out)` after
+        the orthogonalization, whose RMS is about `1/√max`).
+      owner: `(key path, Matrix) -> NamedSharding | None`, where each leaf's Newton–Schulz runs
+        (None: where its momentum lives; see `_orthogonalize`).
+    """
+    dtype = ns_dtype or (jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
+
+    def init(params):
+        return MuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+    def one(path, direction):
+        m = matrix(path, direction.shape)
+        out = _orthogonalize(direction, m, steps=ns_steps, dtype=dtype,
+                             owner=owner(path, m) if owner else None)
+        return out * (rms_scale * math.sqrt(max(m.fans(direction.shape))))
+
+    def update(updates, state, params=None):
+        del params
+        momentum = jax.tree.map(lambda m, g: beta * m + g, state.momentum, updates)
+        direction = (jax.tree.map(lambda m, g: g + beta * m, momentum, updates) if nesterov
+                     else momentum)
+        return jax.tree.map_with_path(one, direction), MuonState(momentum)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _by_path(tree, is_leaf) -> dict[tuple[str, ...], Any]:
+    return {key_names(path): leaf
+            for path, leaf in jax.tree.flatten_with_path(tree, is_leaf=is_leaf)[0]}
+
+
+def muon(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    beta: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_dtype=None,
+    rms_scale: float = 0.2,
+    weight_decay: float = 0.0,
+    split_heads: bool = False,
+    adamw_params: tuple[str, ...] = ADAMW_PARAMS,
+    adamw_learning_rate: optax.ScalarOrSchedule | None = None,
+    adamw_betas: tuple[float, float] = (0.9, 0.999),
+    adamw_eps: float = 1e-8,
+    adamw_weight_decay: float | None = None,
+    placement: Placement = "auto",
+    layout: Layout = Layout(),
+) -> optax.GradientTransformation:
+    """Muon on the weight matrices and AdamW on the rest, as one optax transformation.
+
+    Args:
+      learning_rate: Muon's lr (float or schedule); also AdamW's unless `adamw_learning_rate`.
+      beta, nesterov, ns_steps, ns_dtype, rms_scale: see `scale_by_muon`.
+      weight_decay: Muon's decoupled weight decay (`-lr · wd · p`, as `optax.adamw`).
+      split_heads: each attention head's projection is its own matrix (needs logical axes).
+      adamw_params: globs of `/`-joined param paths that AdamW updates; leaves that are not
+        matrices (fewer than 2 axes besides their stack) always go to AdamW.
+      adamw_learning_rate, adamw_betas, adamw_eps: AdamW's (lr defaults to Muon's).
+      adamw_weight_decay: AdamW's weight decay (None: `weight_decay`).
+      placement: where each matrix's Newton–Schulz runs: `auto`, `owner` or `sharded`.
+      layout: the params' logical axes and optimizer-state shardings (`Layout`).
+
+    Returns:
+      The `optax.GradientTransformation`; its `update` needs no params for Muon's leaves.
+    """
+    if ns_steps < 1 or not 0.0 <= beta < 1.0 or rms_scale <= 0:
+        raise ValueError(f"muon: need ns_steps >= 1, 0 <= beta < 1 and rms_scale > 0; got "
+                         f"ns_steps={ns_steps}, beta={beta}, rms_scale={rms_scale}")
+    if placement not in ("auto", "owner", "sharded"):
+        raise ValueError(f"muon: placement must be auto, owner or sharded, got {placement!r}")
+    is_names = lambda x: x is None or isinstance(x, tuple)  # noqa: E731
+    names = {} if layout.logical_axes is None else _by_path(layout.logical_axes, is_names)
+    specs = {} if layout.opt_specs is None else _by_path(
+        layout.opt_specs, lambda x: isinstance(x, P))
+
+    def matrix(path, shape):
+        return matrix_of(path, shape, names.get(key_names(path)), adamw_params=adamw_params,
+                         split_heads=split_heads)
+
+    def owner(path, m: Matrix) -> NamedSharding | None:
+        if layout.mesh is None or placement == "sharded":
+            return None
+        spec = specs.get(key_names(path), P())
+        if placement == "auto" and not _split_axes(spec, m.reduction + m.output, layout.mesh):
+            return None  # whole matrices already: Newton–Schulz runs where they are
+        axes = _split_axes(spec, range(len(spec)), layout.mesh)  # all of them, on the stack
+        return NamedSharding(layout.mesh, P(axes)) if axes else None
+
+    def labels(params):
+        return jax.tree.map_with_path(
+            lambda path, p: _ADAMW if matrix(path, p.shape) is None else _MUON, params)
+
+    wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
+    b1, b2 = adamw_betas
+    return optax.partition({
+        _MUON: optax.chain(
+            scale_by_muon(matrix, beta=beta, nesterov=nesterov, ns_steps=ns_steps,
+                          ns_dtype=ns_dtype, rms_scale=rms_scale, owner=owner),
+            optax.add_decayed_weights(weight_decay),
+            optax.scale_by_learning_rate(learning_rate),
+        ),
+        _ADAMW: optax.adamw(adamw_learning_rate or learning_rate, b1=b1, b2=b2, eps=adamw_eps,
+                            weight_decay=wd),
+    }, labels)

@@ -1,0 +1,306 @@
+"""Muon (`jaxspeed.optim.muon`): Newton–Schulz and the update against plain float64 references,
+which leaves it treats as matrices, its config, and the engine on 8 devices against one."""
+
+import inspect
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxspeed as js
+from jaxspeed.config.optimizer import MuonParams
+from jaxspeed.data import TokenDataset
+from jaxspeed.errors import ConfigError
+from jaxspeed.models import build_gpt
+from jaxspeed.ops.losses import lm_loss
+from jaxspeed.optim.muon import NS_COEFFS, Layout, Matrix, layout_of, matrix_of, muon, newton_schulz
+from numerics import (adam_params_atol, gpt_rtol, muon_params_atol, newton_schulz_gain,
+                      program_rtol)
+
+
+def reference_newton_schulz(x: np.ndarray, steps: int = 5) -> np.ndarray:
+    """The quintic iteration on one matrix, in float64."""
+    a, b, c = NS_COEFFS
+    x = np.asarray(x, np.float64)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / (np.linalg.norm(x) + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("shape", [(3, 16, 40), (2, 48, 8)])
+def test_newton_schulz_matches_float64_and_orthogonalizes(shape):
+    x = np.asarray(jax.random.normal(jax.random.key(0), shape))
+    got = np.asarray(newton_schulz(jnp.asarray(x)))
+    for i in range(shape[0]):
+        want = reference_newton_schulz(x[i])
+        gain = newton_schulz_gain(np.linalg.svd(x[i], compute_uv=False))
+        rtol = gain * program_rtol(width=max(shape), depth=15)
+        assert np.linalg.norm(got[i] - want) <= rtol * np.linalg.norm(want)
+        singular = np.linalg.svd(got[i], compute_uv=False)
+        assert 0.5 < singular.min() and singular.max() < 1.3  # about U V^T, not U S V^T
+
+
+# A transformer's leaves, with Flax's logical axes: a scanned stack of 2 layers.
+SHAPES = {
+    "embedding": ((64, 16), ("vocab", "embed")),
+    "head": ((16, 64), ("embed", "vocab")),
+    "layers": {
+        "query": ((2, 16, 4, 8), ("layers", "embed", "heads", "kv")),
+        "out": ((2, 4, 8, 16), ("layers", "heads", "kv", "embed")),
+        "wi": ((2, 16, 32), ("layers", "embed", "mlp")),
+        "experts": ((2, 3, 32, 16), ("layers", "expert", "mlp", "embed")),
+        "norm": {"scale": ((2, 16), ("layers", "embed"))},
+        "bias": ((2, 32), ("layers", "mlp")),
+    },
+}
+_is_spec = lambda x: isinstance(x, tuple) and isinstance(x[0], tuple)  # noqa: E731
+PARAM_SHAPES = jax.tree.map(lambda s: s[0], SHAPES, is_leaf=_is_spec)
+LOGICAL = jax.tree.map(lambda s: s[1], SHAPES, is_leaf=_is_spec)
+
+
+def _matrices(split_heads):
+    return jax.tree.map_with_path(
+        lambda path, spec: matrix_of(path, spec[0], spec[1], split_heads=split_heads),
+        SHAPES, is_leaf=_is_spec)
+
+
+def test_which_leaves_are_matrices():
+    m = _matrices(split_heads=False)
+    assert m["embedding"] is None and m["head"] is None  # embeddings and the LM head: AdamW
+    assert m["layers"]["norm"]["scale"] is None and m["layers"]["bias"] is None
+    assert m["layers"]["query"] == Matrix((0,), (1,), (2, 3))  # embed -> heads x kv
+    assert m["layers"]["out"] == Matrix((0,), (1, 2), (3,))  # heads x kv -> embed
+    assert m["layers"]["experts"] == Matrix((0, 1), (2,), (3,))  # each expert its own
+    split = _matrices(split_heads=True)
+    assert split["layers"]["query"] == Matrix((0, 2), (1,), (3,))
+    assert split["layers"]["out"] == Matrix((0, 1), (2,), (3,))
+    # without logical axes, optax's rule: 2-D leaves are matrices
+    assert matrix_of((), (4, 5), None, adamw_params=()) == Matrix((), (0,), (1,))
+    assert matrix_of((), (2, 4, 5), None, adamw_params=()) is None
+
+
+def _reference_updates(grads_seq, params, *, split_heads, lr, wd, beta=0.95):
+    """Muon on the matrices and `optax.adamw` on the rest, the matrices in float64."""
+    matrices = _matrices(split_heads)
+    adamw = optax.adamw(lr, weight_decay=wd)
+    adam_state = adamw.init(params)
+    momentum = jax.tree.map(lambda p: np.zeros(p.shape), params)
+    out = []
+    for grads in grads_seq:
+        adam_updates, adam_state = adamw.update(grads, adam_state, params)
+
+        def one(g, m_old, p, matrix, adam_u):
+            if matrix is None:
+                return m_old, np.asarray(adam_u, np.float64)
+            m_new = beta * m_old + np.asarray(g, np.float64)
+            d = np.asarray(g, np.float64) + beta * m_new
+            order = matrix.batch + matrix.reduction + matrix.output
+            fan_in, fan_out = matrix.fans(d.shape)
+            moved = d.transpose(order)
+            stack = moved.reshape(-1, fan_in, fan_out)
+            o = np.stack([reference_newton_schulz(s) for s in stack]).reshape(moved.shape)
+            o = o.transpose(np.argsort(order)) * 0.2 * math.sqrt(max(fan_in, fan_out))
+            return m_new, -lr * (o + wd * np.asarray(p, np.float64))
+
+        pairs = jax.tree.map(one, grads, momentum, params, matrices, adam_updates,
+                             is_leaf=lambda x: x is None or isinstance(x, Matrix))
+        is_pair = lambda x: isinstance(x, tuple) and len(x) == 2  # noqa: E731
+        momentum = jax.tree.map(lambda pr: pr[0], pairs, is_leaf=is_pair)
+        out.append(jax.tree.map(lambda pr: pr[1], pairs, is_leaf=is_pair))
+    return out
+
+
+@pytest.mark.parametrize("split_heads", [False, True])
+def test_update_matches_a_float64_reference(split_heads):
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    params = jax.tree.map(lambda s: jax.random.normal(next(keys), s), PARAM_SHAPES,
+                          is_leaf=lambda x: isinstance(x, tuple))
+    grads_seq = [jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
+                 for _ in range(2)]
+    tx = muon(0.01, weight_decay=0.1, split_heads=split_heads, layout=Layout(LOGICAL))
+    state = tx.init(params)
+    want = _reference_updates(grads_seq, params, split_heads=split_heads, lr=0.01, wd=0.1)
+    for grads, expected in zip(grads_seq, want):
+        got, state = tx.update(grads, state, params)
+        rtol = newton_schulz_gain(steps=5) * program_rtol(width=64, depth=15)
+        chex.assert_trees_all_close(got, expected, rtol=rtol, atol=rtol * 0.01)
+    assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
+
+
+def test_config_defaults_are_the_functions():
+    config, function = MuonParams(), inspect.signature(muon).parameters
+    assert function["beta"].default == config.momentum
+    for name in ("nesterov", "ns_steps", "rms_scale", "split_heads", "adamw_params", "placement"):
+        assert function[name].default == getattr(config, name), name
+    assert function["adamw_betas"].default == tuple(config.betas)
+    assert function["adamw_eps"].default == config.eps
+
+
+def test_config_reports_every_bad_param():
+    with pytest.raises(ConfigError) as error:
+        js.load_config({"optimizer": {"type": "muon", "params": {
+            "momentum": 1.0, "ns_steps": 0, "placement": "everywhere", "rms_scal": 0.2}}})
+    message = str(error.value)
+    for key in ("momentum", "ns_steps", "placement", "rms_scal"):
+        assert f"optimizer.params.{key}" in message, (key, message)
+
+
+# ------------------------------------------------------------------------ the engine, 8 devices
+
+TINY = [
+    "model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+    "model.d_ff=128", "model.max_seq_len=32", "data.seq_len=32", "data.max_bytes=300000",
+    "optimizer.type=Muon", "optimizer.params.lr=0.003", "optimizer.params.weight_decay=0.1",
+    "train_batch_size=16",
+]
+LR, STEPS, BATCH = 0.003, 2, 16
+RHO = gpt_rtol(tokens=BATCH * 32, d_model=64, d_ff=128, n_layers=2, vocab=256)
+
+
+def config(*overrides):
+    return js.load_config(None, overrides=[*TINY, *overrides])
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return TokenDataset.from_config(config().data, seed=0)
+
+
+def _batches(dataset):
+    return [dataset.batch(i, global_batch=BATCH) for i in range(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def single_device(dataset):
+    """Plain optax on one device: the model, `lm_loss` and `muon` with the model's logical axes
+    (no mesh), from the engine's initial params."""
+    engine = js.initialize(config("mesh.data=8"))
+    params = jax.device_put(jax.device_get(engine.init(jax.random.key(0)).params),
+                            jax.devices()[0])
+    model = build_gpt(engine.config.model)
+    layout = layout_of(engine.plan, placed=False)
+    tx = muon(LR, weight_decay=0.1, layout=layout)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss_of = lambda p: lm_loss(model.apply({"params": p}, batch["inputs"]), batch)  # noqa: E731
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses, momenta = [], [_momentum(opt_state)]
+    for batch in _batches(dataset):
+        params, opt_state, loss = step(params, opt_state, batch)
+        losses.append(float(loss))
+        momenta.append(_momentum(opt_state))
+    gains = jax.tree_util.tree_map_with_path(
+        lambda path, names, *m: _gain(path, names, m), layout.logical_axes, *momenta,
+        is_leaf=lambda x: x is None or isinstance(x, tuple))
+    return np.array(losses), jax.device_get(params), layout.logical_axes, gains
+
+
+def _momentum(opt_state):
+    """The Muon leaves' momentum (float64, None for AdamW's leaves) of the engine's state."""
+    muon_state = opt_state.inner_states["muon"].inner_state[0]
+    return jax.tree.map(
+        lambda m: None if isinstance(m, optax.MaskedNode) else np.asarray(m, np.float64),
+        muon_state.momentum, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+
+def _gain(path, names, momenta, beta=0.95):
+    """`newton_schulz_gain` of the Nesterov direction `(1 + beta) m_t - beta m_(t-1)` that each
+    step orthogonalized, the largest over steps and stacked matrices (None: not a matrix)."""
+    if momenta[0] is None:
+        return None
+    matrix = matrix_of(path, momenta[0].shape, names)
+    order = matrix.batch + matrix.reduction + matrix.output
+    gains = []
+    for old, new in zip(momenta, momenta[1:]):
+        d = ((1 + beta) * new - beta * old).transpose(order)
+        for m in d.reshape(-1, *matrix.fans(new.shape)):
+            gains.append(newton_schulz_gain(np.linalg.svd(m, compute_uv=False)))
+    return max(gains)
+
+
+def _assert_close_to_reference(state, losses, reference):
+    np.testing.assert_allclose(losses, reference[0], rtol=RHO)
+    _assert_params_close(state, reference)
+
+
+def _assert_params_close(state, reference):
+    _, want, logical_axes, gains = reference
+
+    def check(path, got, expected, names):
+        got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+        matrix = matrix_of(path, expected.shape, names)
+        if matrix is None:
+            bound = adam_params_atol(steps=STEPS, lr=LR, rho=RHO, size=expected.size)
+        else:
+            fan_in, fan_out = matrix.fans(expected.shape)
+            bound = muon_params_atol(
+                steps=STEPS, lr=LR, rho=RHO, stack=expected.size // (fan_in * fan_out),
+                fan_in=fan_in, fan_out=fan_out, gain=_leaf(gains, path))
+        err = float(np.linalg.norm(got - expected))
+        assert err <= bound, f"{jax.tree_util.keystr(path)}: {err:.3g} > {bound:.3g}"
+
+    jax.tree_util.tree_map_with_path(
+        check, jax.device_get(state.params), want, logical_axes,
+        is_leaf=lambda x: isinstance(x, np.ndarray))
+
+
+def _leaf(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree
+
+
+def _run(engine, state, batches):
+    losses = []
+    for batch in batches:
+        state, metrics = engine.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+CASES = {
+    "zero3_owner": ["mesh.data=8", "zero_optimization.stage=3"],
+    "zero1_tensor2": ["mesh.data=4", "mesh.tensor=2", "zero_optimization.stage=1"],
+    "zero2_sharded": ["mesh.data=8", "zero_optimization.stage=2",
+                      "optimizer.params.placement=sharded"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_matches_single_device(dataset, single_device, case):
+    engine = js.initialize(config(*CASES[case]))
+    state, losses = _run(engine, engine.init(jax.random.key(0)), _batches(dataset))
+    _assert_close_to_reference(state, losses, single_device)
+
+
+def test_the_comparison_tells_other_matrices_apart(dataset, single_device):
+    """Each head its own matrix is another optimizer: the comparison above must see it."""
+    engine = js.initialize(config("mesh.data=8", "optimizer.params.split_heads=true"))
+    state, losses = _run(engine, engine.init(jax.random.key(0)), _batches(dataset))
+    with pytest.raises(AssertionError, match=r"\['attn'\]"):
+        _assert_params_close(state, single_device)
+
+
+def test_state_reshards_through_a_checkpoint(tmp_path, dataset, single_device):
+    """One step at ZeRO-3 on 8 devices, saved, restored at ZeRO-2 with tensor=2, one more."""
+    first = js.initialize(config("mesh.data=8", "zero_optimization.stage=3"))
+    batches = _batches(dataset)
+    state, losses = _run(first, first.init(jax.random.key(0)), batches[:1])
+    first.save(state, directory=tmp_path)
+    first.checkpointer(tmp_path).wait()
+    second = js.initialize(config("mesh.data=4", "mesh.tensor=2", "zero_optimization.stage=2"))
+    state, more = _run(second, second.restore(directory=tmp_path), batches[1:])
+    _assert_close_to_reference(state, losses + more, single_device)
