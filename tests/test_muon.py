@@ -2,6 +2,7 @@
 which leaves it treats as matrices, its config, and the engine on 8 devices against one."""
 
 import inspect
+import re
 import math
 
 import chex
@@ -12,12 +13,16 @@ import optax
 import pytest
 
 import jaxspeed as js
+from jaxspeed.autoplan import traffic
+from jaxspeed.autoplan.space import from_config
 from jaxspeed.config.optimizer import MuonParams
+from jaxspeed.cost import hlo
 from jaxspeed.data import TokenDataset
 from jaxspeed.errors import ConfigError
 from jaxspeed.models import build_gpt
 from jaxspeed.ops.losses import lm_loss
-from jaxspeed.optim.muon import NS_COEFFS, Layout, Matrix, layout_of, matrix_of, muon, newton_schulz
+from jaxspeed.optim.muon import (NS_COEFFS, Layout, Matrix, layout_of, matrix_of, muon,
+                                 newton_schulz, newton_schulz_flops, owner_dim)
 from numerics import (adam_params_atol, gpt_rtol, muon_params_atol, newton_schulz_gain,
                       program_rtol)
 
@@ -126,13 +131,21 @@ def test_update_matches_a_float64_reference(split_heads):
     grads_seq = [jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
                  for _ in range(2)]
     tx = muon(0.01, weight_decay=0.1, split_heads=split_heads, layout=Layout(LOGICAL))
-    state = tx.init(params)
+    state, update = tx.init(params), jax.jit(tx.update)
     want = _reference_updates(grads_seq, params, split_heads=split_heads, lr=0.01, wd=0.1)
     for grads, expected in zip(grads_seq, want):
-        got, state = tx.update(grads, state, params)
+        got, state = update(grads, state, params)
         rtol = newton_schulz_gain(steps=5) * program_rtol(width=64, depth=15)
         chex.assert_trees_all_close(got, expected, rtol=rtol, atol=rtol * 0.01)
     assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
+
+
+def test_owners_take_the_stack_dimension_padded_least():
+    assert owner_dim((6,), (1,), 8) == (0, 8)  # 6 layers over 8 owners: 2 idle
+    assert owner_dim((2, 4), (1, 1), 4) == (1, 4)  # the heads, not the layers padded 2x
+    assert owner_dim((1, 4), (1, 2), 2) == (1, 4)  # 4 experts split 2 ways, then 2 more
+    assert owner_dim((1, 4), (1, 2), 4) == (0, 4)  # the split experts are never padded
+    assert owner_dim((3,), (3,), 2) is None
 
 
 def test_config_defaults_are_the_functions():
@@ -202,6 +215,27 @@ def single_device(dataset):
         params, opt_state, loss = step(params, opt_state, batch)
         losses.append(float(loss))
         momenta.append(_momentum(opt_state))
+    return _reference(losses, params, layout, momenta)
+
+
+@pytest.fixture(scope="module")
+def dense_moe(dataset):
+    """The MoE GPT on 8 devices with every expert on each (no expert axis, no ZeRO): each
+    matrix whole where it is, as on one device. No token is dropped (capacity 4) and the
+    routing has no noise, so an expert-parallel mesh computes the same."""
+    engine = js.initialize(config(*MOE))
+    state = engine.init(jax.random.key(0))
+    losses, momenta = [], [_momentum(state.opt_state)]
+    for batch in _batches(dataset):
+        state, metrics = engine.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+        momenta.append(_momentum(state.opt_state))
+    return _reference(losses, state.params, layout_of(engine.plan, placed=False), momenta)
+
+
+def _reference(losses, params, layout, momenta):
+    """What a run is compared with: its losses, params, the params' logical axes, and the
+    Newton–Schulz gain of each Muon leaf's directions (`_gain`)."""
     gains = jax.tree_util.tree_map_with_path(
         lambda path, names, *m: _gain(path, names, m), layout.logical_axes, *momenta,
         is_leaf=lambda x: x is None or isinstance(x, tuple))
@@ -271,19 +305,33 @@ def _run(engine, state, batches):
     return state, losses
 
 
+MOE = ["model.moe={num_experts: 4, k: 2, every_n_layers: 2, capacity_factor: 4.0, "
+       "use_rts: false}", "mesh.data=8"]
 CASES = {
-    "zero3_owner": ["mesh.data=8", "zero_optimization.stage=3"],
-    "zero1_tensor2": ["mesh.data=4", "mesh.tensor=2", "zero_optimization.stage=1"],
-    "zero2_sharded": ["mesh.data=8", "zero_optimization.stage=2",
+    # 2 layers over 8 owners: `auto` would not pad the stack 4x, `owner` does
+    "zero3_owner": ["mesh.data=8", "zero_optimization.stage=3",
+                    "optimizer.params.placement=owner"],
+    "zero3_sharded": ["mesh.data=8", "zero_optimization.stage=3",
                       "optimizer.params.placement=sharded"],
+    "zero3_explicit": ["mesh.data=8", "zero_optimization.stage=3",
+                       "zero_optimization.collectives=explicit"],
+    "pipe2": ["mesh.data=4", "mesh.pipe=2", "zero_optimization.stage=1",
+              "pipeline.num_microbatches=2"],
+    "offload_optimizer_host": ["mesh.data=8", "zero_optimization.stage=2",
+                               "zero_optimization.offload_optimizer.device=cpu",
+                               "zero_optimization.offload_optimizer.update_on=host"],
+    "moe_expert2_zero3_owner": [*MOE, "mesh.data=4", "mesh.expert=2", "zero_optimization.stage=3",
+                                "optimizer.params.placement=owner"],
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_engine_matches_single_device(dataset, single_device, case):
+def test_engine_matches_single_device(request, dataset, case):
+    """Each mesh, stage and offload against one device (MoE: against `dense_moe`)."""
+    reference = request.getfixturevalue("dense_moe" if case.startswith("moe") else "single_device")
     engine = js.initialize(config(*CASES[case]))
     state, losses = _run(engine, engine.init(jax.random.key(0)), _batches(dataset))
-    _assert_close_to_reference(state, losses, single_device)
+    _assert_close_to_reference(state, losses, reference)
 
 
 def test_the_comparison_tells_other_matrices_apart(dataset, single_device):
@@ -295,12 +343,65 @@ def test_the_comparison_tells_other_matrices_apart(dataset, single_device):
 
 
 def test_state_reshards_through_a_checkpoint(tmp_path, dataset, single_device):
-    """One step at ZeRO-3 on 8 devices, saved, restored at ZeRO-2 with tensor=2, one more."""
-    first = js.initialize(config("mesh.data=8", "zero_optimization.stage=3"))
+    """One step at ZeRO-3 on 8 devices, saved, restored at ZeRO-1 with tensor=2, one more."""
+    first = js.initialize(config(*CASES["zero3_owner"]))
     batches = _batches(dataset)
     state, losses = _run(first, first.init(jax.random.key(0)), batches[:1])
     first.save(state, directory=tmp_path)
     first.checkpointer(tmp_path).wait()
-    second = js.initialize(config("mesh.data=4", "mesh.tensor=2", "zero_optimization.stage=2"))
+    second = js.initialize(config("mesh.data=4", "mesh.tensor=2", "zero_optimization.stage=1"))
     state, more = _run(second, second.restore(directory=tmp_path), batches[1:])
     _assert_close_to_reference(state, losses + more, single_device)
+
+
+def test_placement_shows_in_the_compiled_step():
+    """ZeRO-3 over 8 devices splits each 64-row matrix into 8-row blocks. `owner` gives each
+    device whole matrices to iterate on, with no collective inside the iteration; `sharded`
+    iterates on the blocks, gathering in every step."""
+    def compiled(case):  # the programs `test_engine_matches_single_device` ran
+        engine = js.initialize(config(*CASES[case]))
+        hlo = engine.compile_train_step().as_text()
+        dots = re.findall(r"= f32\[([0-9,]+)\][^ ]* dot\(", hlo)
+        return dots, len(re.findall(r" (?:all-gather|all-reduce)\(", hlo))
+
+    owner_dots, owner_collectives = compiled("zero3_owner")
+    sharded_dots, sharded_collectives = compiled("zero3_sharded")
+    assert "64,64" in owner_dots and not any(",8,64" in d or ",64,8" in d for d in owner_dots)
+    assert any(",8,64" in d or ",64,8" in d for d in sharded_dots)
+    assert owner_collectives + 5 * 6 <= sharded_collectives  # >= 5 steps x 6 matrices fewer
+
+
+@pytest.mark.parametrize("case", ["zero3_owner", "moe_expert2_zero3_owner"])
+def test_the_byte_model_prices_the_moves_to_the_owners(case):
+    """`step_transfers` (what the planner prices) has Muon's all-to-all to the owners and back:
+    the bytes the compiled step's all-to-alls move beyond the same step's with `sharded`
+    placement (the MoE tokens' all-to-alls; the stacks are padded to the owners' count)."""
+    def all_to_all(*overrides):
+        engine = js.initialize(config(*overrides))
+        ops = hlo.collectives(engine.compile_train_step().as_text(), num_devices=8)
+        return engine, sum(op.bytes * op.executions for op in ops if op.kind == "all-to-all")
+
+    engine, moved = all_to_all(*CASES[case])
+    _, without = all_to_all(*CASES[case], "optimizer.params.placement=sharded")
+    transfers = traffic.step_transfers(engine.config,
+                                       from_config(engine.config, dict(engine.mesh.shape)))
+    priced = [t for t in transfers if t.kind == "all-to-all"]
+    assert [t.name for t in priced] == ["muon.owners"]
+    assert priced[0].nbytes * priced[0].count == moved - without > 0
+
+
+def test_the_planner_counts_newton_schulz_flops():
+    """The estimate's FLOPs grow by the iteration's (`muon_cost`): ZeRO-3 over 8 spreads the
+    6 layers' stacks over 8 owners, one matrix each; ZeRO-0 iterates on all of them."""
+    from jaxspeed.autoplan.cluster import load_cluster
+    from jaxspeed.autoplan.estimate import estimate
+
+    cluster = load_cluster("8xh100-nvlink")
+    base = js.load_config("configs/gpt_tiny.yaml", overrides=["mesh.data=8"])
+    muon_cfg = js.load_config(base, overrides=["optimizer.type=Muon"])
+    one = newton_schulz_flops(256, 256) * 4 + newton_schulz_flops(256, 1024) * 2  # a layer's
+    for stage, matrices_per_stack in ((3, 1), (0, 6)):
+        plan = from_config(js.load_config(base, overrides=[f"zero_optimization.stage={stage}"]),
+                           {"data": 8})
+        extra = estimate(muon_cfg, plan, cluster).flops - estimate(base, plan, cluster).flops
+        assert extra == pytest.approx(matrices_per_stack * one)

@@ -42,9 +42,11 @@ no more (every figure per device, per optimizer step):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from jaxspeed.autoplan import comm, moe_exchange, traffic
+from jaxspeed.autoplan.muon_cost import muon_cost, muon_owners
 from jaxspeed.autoplan.traffic import param_counts
 from jaxspeed.autoplan.space import ON_HOST, Candidate
 from jaxspeed.autoplan.update_cost import update_seconds
@@ -175,6 +177,9 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
     update = 0.0 if "opt_state" in on_host else update_seconds(  # the host's is not timed
         config, params=sharded if plan.stage >= 1 else params_here, cluster=cluster,
         optimizer=optimizer, phase=phase)
+    if config.optimizer.type == "Muon" and optimizer in (None, "Muon"):  # Newton–Schulz
+        axes = muon_owners(plan.stage, s, ("data", "sequence", "expert"))
+        flops += muon_cost(config, layers=layers_here, axes=axes, sizes=s)[0]
     compute = flops / (cluster.peak_flops(dtype.name) * cluster.efficiency) + weights + update
     bubble = 0.0
     if pipe > 1:

@@ -191,7 +191,8 @@ def step_transfers(
     config: Any, plan: Any, *, hosts: int = 1, optimizer: str | None = None,
     phase: str = "auto", gloo: bool = False,
 ) -> list[Transfer]:
-    """The data-parallel collectives of one step of `plan` (module docstring).
+    """The data-parallel collectives of one step of `plan` (module docstring), and Muon's
+    moves of its matrices to their owners and back (`jaxspeed.autoplan.muon_cost`).
 
     Args:
       config: the run config (model, dtypes, optimizer, `steps`).
@@ -201,6 +202,23 @@ def step_transfers(
       phase: which phase of a 1-bit optimizer (`exchange_fractions`).
       gloo: the collectives run over gloo (`max_reduce_scatter_elements: auto` cuts there).
     """
+    out = _exchanges(config, plan, hosts=hosts, optimizer=optimizer, phase=phase, gloo=gloo)
+    if config.optimizer.type == "Muon" and optimizer in (None, "Muon"):
+        from jaxspeed.autoplan.muon_cost import muon_cost, muon_owners
+
+        sizes = mesh_sizes(plan.sizes, hosts)
+        axes = muon_owners(plan.stage, sizes, (DATA, HOST, SEQUENCE, EXPERT))
+        _, nbytes = muon_cost(config, layers=config.model.n_layers // sizes["pipe"], axes=axes,
+                              sizes=sizes)
+        if nbytes:
+            out.append(Transfer("muon.owners", "all-to-all", nbytes, axes, 2.0))
+    return out
+
+
+def _exchanges(
+    config: Any, plan: Any, *, hosts: int, optimizer: str | None, phase: str, gloo: bool,
+) -> list[Transfer]:
+    """`step_transfers` but Muon's: the gradients', params' and 1-bit exchanges."""
     sizes = mesh_sizes(plan.sizes, hosts)
     m, counts = config.model, param_counts(config)
     layers = m.n_layers // sizes["pipe"]

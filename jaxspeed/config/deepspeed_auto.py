@@ -78,12 +78,19 @@ _FILLED: Mapping[str, Callable[[dict[str, Any]], Any]] = types.MappingProxyType(
 #: Keys whose "auto" means jaxspeed's default (for the batch sizes: "derive it").
 DEEPSPEED_AUTO_MEANS_UNSET: tuple[str, ...] = (
     *_BATCH, "bf16.enabled", "fp16.enabled")
+def _placeholders(params: Any) -> frozenset[str]:
+    """The params of a params model whose "auto" is DeepSpeed's: all but those that take
+    "auto" as a value of their own (Muon's `placement`)."""
+    return frozenset(name for name, field in params.model_fields.items()
+                     if AUTO not in typing.get_args(field.annotation))
+
+
 #: Sections whose every "auto" param means the param's default (but those in `_FILLED`):
 #: section → (its default type, {lower-case type: the names of its params}).
 _PARAMS: Mapping[str, tuple[str, dict[str, frozenset[str]]]] = types.MappingProxyType({
     f"{section}.params": (default, {
         member.model_fields["type"].default.lower():
-            frozenset(member.model_fields["params"].annotation.model_fields)
+            _placeholders(member.model_fields["params"].annotation)
         for member in typing.get_args(typing.get_args(union)[0])
     })
     for section, default, union in (

@@ -15,10 +15,12 @@ matrix; `embed` (the residual stream) is one side and the other axes are the oth
 without logical axes is a matrix when it is 2-D (optax's rule).
 
 Where each matrix's Newton–Schulz runs (`Layout`): `sharded` iterates on the momentum where it
-lives and lets XLA partition the matmuls; `owner` reshards a leaf's stack of matrices so that each
-device holds whole matrices, a share of the stack (DistMuon's round robin, as a sharding), and
-iterates there without communication. `auto` picks `owner` for a leaf whose state is split
-inside its matrices, `sharded` (no communication at all) for one that is not.
+lives and lets XLA partition the matmuls (for a matrix split by ZeRO or tensor parallelism, a
+collective in every step). `owner` moves the axes that split a leaf's matrices onto one of its
+stack's dimensions (padded to a multiple of them if it must be), so that each device holds whole
+matrices, a share of the stack (DistMuon's round robin, as a sharding), and iterates on them
+without communication: an all-to-all there and back. `auto` is `owner` unless the padding would
+be over half the owners' work; a leaf whose matrices are whole already iterates where it is.
 """
 
 from __future__ import annotations
@@ -121,14 +123,11 @@ def newton_schulz(x: jax.Array, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1
     return x.mT if tall else x
 
 
-def _as_stack(x: jax.Array, m: Matrix):
-    """`x` as `[batch, fan_in, fan_out]`, and the function that undoes it."""
-    order = m.batch + m.reduction + m.output
-    moved = x.transpose(order)
-    batch = math.prod(x.shape[a] for a in m.batch)
-    stack = moved.reshape(batch, *m.fans(x.shape))
-    inverse = tuple(order.index(a) for a in range(x.ndim))
-    return stack, lambda s: s.reshape(moved.shape).transpose(inverse)
+def newton_schulz_flops(fan_in: int, fan_out: int, steps: int = 5) -> int:
+    """FLOPs of `newton_schulz` on one matrix: per step `X Xᵀ`, its square and the product
+    with `X`, on the wide orientation (`m <= n`): `4 m² n + 2 m³`."""
+    m, n = sorted((fan_in, fan_out))
+    return steps * (4 * m * m * n + 2 * m**3)
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -142,18 +141,45 @@ def _split_axes(spec: P, dims, mesh: Mesh) -> tuple[str, ...]:
     return tuple(axis for entry in entries for axis in _axes(entry) if mesh.shape[axis] > 1)
 
 
-def _orthogonalize(x, m: Matrix, *, steps, dtype, owner: NamedSharding | None):
-    """Newton–Schulz on each matrix of `x`, on `owner`'s devices when given (padding the stack
-    to a multiple of their number)."""
-    stack, unstack = _as_stack(x, m)
-    count = stack.shape[0]
-    if owner is not None:
-        devices = math.prod(owner.mesh.shape[a] for a in _axes(owner.spec[0]))
-        padded = -(-count // devices) * devices
-        stack = jnp.pad(stack, ((0, padded - count), (0, 0), (0, 0)))
-        stack = jax.lax.with_sharding_constraint(stack, owner)
+class Owners(NamedTuple):
+    """Where a leaf's matrices go whole: its batch dimension `dim`, padded to `size`, split over
+    the devices that split the matrices (`sharding`, the leaf's layout)."""
+
+    dim: int
+    size: int
+    sharding: NamedSharding
+
+
+def owner_dim(batch_sizes, batch_splits, owners: int) -> tuple[int, int] | None:
+    """The batch dimension of a stack to spread it over `owners` more devices, and its size
+    padded to a multiple of its split: the one padded least. A dimension already split is not
+    padded (its pieces would not line up); None when none fits."""
+    best = None
+    for i, (size, split) in enumerate(zip(batch_sizes, batch_splits)):
+        unit = split * owners
+        padded = -(-size // unit) * unit
+        if (split == 1 or padded == size) and (
+                best is None or padded * batch_sizes[best[0]] < best[1] * size):
+            best = (i, padded)
+    return best
+
+
+def _orthogonalize(x, m: Matrix, *, steps, dtype, owners: Owners | None):
+    """Newton–Schulz on each matrix of `x` (its batch axes kept apart, so an existing split of
+    them stays), first moved whole onto `owners` when given."""
+    count = x.shape[owners.dim] if owners is not None else None
+    if owners is not None:
+        pad = [(0, 0)] * x.ndim
+        pad[owners.dim] = (0, owners.size - count)
+        x = jax.lax.with_sharding_constraint(jnp.pad(x, pad), owners.sharding)
+    order = m.batch + m.reduction + m.output
+    moved = x.transpose(order)
+    stack = moved.reshape(*moved.shape[:len(m.batch)], *m.fans(x.shape))
     out = newton_schulz(stack.astype(dtype), steps).astype(x.dtype)
-    return unstack(out[:count])
+    out = out.reshape(moved.shape).transpose(tuple(order.index(a) for a in range(x.ndim)))
+    if owners is not None:
+        out = jax.lax.slice_in_dim(out, 0, count, axis=owners.dim)
+    return out
 
 
 def scale_by_muon(
@@ -169,8 +195,8 @@ def scale_by_muon(
       ns_dtype: the iteration's dtype (None: bfloat16 on GPU, float32 elsewhere).
       rms_scale: the update is scaled to RMS `rms_scale` (`× √max(fan_in, fan_out)` after
         the orthogonalization, whose RMS is about `1/√max`).
-      owner: `(key path, Matrix) -> NamedSharding | None`, where each leaf's Newton–Schulz runs
-        (None: where its momentum lives; see `_orthogonalize`).
+      owner: `(key path, Matrix, shape) -> Owners | None`, where each leaf's Newton–Schulz
+        runs (None: where its momentum lives; see `_orthogonalize`).
     """
     dtype = ns_dtype or (jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
 
@@ -180,7 +206,7 @@ def scale_by_muon(
     def one(path, direction):
         m = matrix(path, direction.shape)
         out = _orthogonalize(direction, m, steps=ns_steps, dtype=dtype,
-                             owner=owner(path, m) if owner else None)
+                             owners=owner(path, m, direction.shape) if owner else None)
         return out * (rms_scale * math.sqrt(max(m.fans(direction.shape))))
 
     def update(updates, state, params=None):
@@ -247,14 +273,24 @@ def muon(
         return matrix_of(path, shape, names.get(key_names(path)), adamw_params=adamw_params,
                          split_heads=split_heads)
 
-    def owner(path, m: Matrix) -> NamedSharding | None:
-        if layout.mesh is None or placement == "sharded":
+    def owner(path, m: Matrix, shape) -> Owners | None:
+        mesh = layout.mesh
+        if mesh is None or placement == "sharded":
             return None
         spec = specs.get(key_names(path), P())
-        if placement == "auto" and not _split_axes(spec, m.reduction + m.output, layout.mesh):
-            return None  # whole matrices already: Newton–Schulz runs where they are
-        axes = _split_axes(spec, range(len(spec)), layout.mesh)  # all of them, on the stack
-        return NamedSharding(layout.mesh, P(axes)) if axes else None
+        moved = _split_axes(spec, m.reduction + m.output, mesh)
+        if not moved:  # whole matrices already: Newton–Schulz runs where they are
+            return None
+        splits = [math.prod(mesh.shape[a] for a in _split_axes(spec, (d,), mesh)) for d in m.batch]
+        found = owner_dim([shape[d] for d in m.batch], splits,
+                          math.prod(mesh.shape[a] for a in moved))
+        if found is None or (placement == "auto" and found[1] > 2 * shape[m.batch[found[0]]]):
+            return None  # auto: not when padding would be over half the owners' work
+        dim = m.batch[found[0]]
+        entries = [None if d in m.reduction + m.output else (spec[d] if d < len(spec) else None)
+                   for d in range(len(shape))]
+        entries[dim] = _split_axes(spec, (dim,), mesh) + moved
+        return Owners(dim, found[1], NamedSharding(mesh, P(*entries)))
 
     def labels(params):
         return jax.tree.map_with_path(

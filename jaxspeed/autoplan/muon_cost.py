@@ -1,0 +1,91 @@
+"""What Muon's Newton–Schulz costs a step: the model's matrices, each one's FLOPs, and the bytes
+its stack moves to the devices that own whole matrices and back.
+
+The engine (`jaxspeed.optim.muon`) runs a stack's iterations on the devices that split its
+matrices' state (ZeRO 1-3, tensor parallelism), each on whole matrices (`owner`; `auto` unless
+that pads the stack over 2x), or where the state lives (`sharded`; every device iterates on all
+of them when nothing splits the state). This prices that choice for the planner: the FLOPs join the step's compute (`estimate`), the all-to-alls its
+traffic (`traffic.step_transfers`). `plan` reads both from the compiled step instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jaxspeed.optim.muon import newton_schulz_flops, owner_dim
+
+
+def muon_matrices(model: Any, *, layers: int, split_heads: bool = False
+                  ) -> list[tuple[tuple[int, ...], int, int, bool]]:
+    """`(stack, fan_in, fan_out, experts)` of each leaf Muon orthogonalizes in `layers` of
+    `model`'s layers, as the engine's params hold them: its stack's batch dimensions, each
+    matrix's shape, and whether the second batch dimension is the experts (which `expert`
+    splits). The embedding and head are AdamW's. The matrices are whole: tensor parallelism
+    splits the state, not Muon's matrices.
+
+    Per layer: the q, k, v and out projections (each head its own with `split_heads`) and the
+    FFN's; a MoE layer's experts, each its own, and its router.
+    """
+    d, heads = model.d_model, model.n_heads
+    head, kv = d // heads, model.n_kv_heads or heads
+
+    def attention(stack):
+        if split_heads:
+            return [((stack, heads), d, head, False)] * 2 + [((stack, kv), d, head, False)] * 2
+        return [((stack,), d, heads * head, False)] * 2 + [((stack,), d, kv * head, False)] * 2
+
+    def ffn(stack, d_ff, activation, experts=False):
+        gated = [(stack, d, d_ff, experts)] if activation == "swiglu" else []
+        return [(stack, d, d_ff, experts), *gated, (stack, d_ff, d, experts)]
+
+    moe = getattr(model, "moe", None)
+    if moe is None:
+        return attention(layers) + ffn((layers,), model.d_ff, model.mlp)
+    # the scan runs over groups of `every_n_layers` blocks, the last of them a MoE block:
+    # each block of a group is its own leaves, each a stack of `groups`
+    every = moe.every_n_layers
+    groups = layers // every
+    return (every * attention(groups) + (every - 1) * ffn((groups,), model.d_ff, model.mlp)
+            + ffn((groups, moe.num_experts), moe.d_ff or model.d_ff,
+                  moe.activation or model.mlp, experts=True)
+            + [((groups,), d, moe.num_experts, False)])
+
+
+def muon_owners(stage: int, sizes: dict[str, int], zero_axes: tuple[str, ...]
+                ) -> tuple[str, ...]:
+    """The mesh axes that split the optimizer state's matrices: ZeRO's from stage 1, and
+    `tensor` (the engine's `auto` placement moves them onto the stack)."""
+    axes = (tuple(zero_axes) if stage >= 1 else ()) + (("tensor",) if sizes["tensor"] > 1 else ())
+    return tuple(a for a in axes if sizes[a] > 1)
+
+
+def muon_cost(config: Any, *, layers: int, axes: tuple[str, ...], sizes: dict[str, int]
+              ) -> tuple[float, float]:
+    """`(FLOPs, bytes)` of one device's Newton–Schulz per step, at the config's placement:
+    `layers` of the model's layers, whose state the mesh `axes` (`muon_owners`; `sizes` theirs)
+    split, and the experts' also `expert`.
+
+    A stack goes whole to its owners where `owner_dim` finds a dimension (`auto`: padded at
+    most 2x; `sharded`: never):
+    `ceil` of its share of the padded stack each, and the buffer of fp32 momentum exchanged
+    each way (an all-to-all's). Elsewhere the iteration runs where the state is: a share of
+    the FLOPs as the state is split (XLA partitions the matmuls; their collectives are not
+    priced here, `plan` counts them).
+    """
+    p = config.optimizer.params
+    flops = nbytes = 0.0
+    for stack, fan_in, fan_out, experts in muon_matrices(config.model, layers=layers,
+                                                         split_heads=p.split_heads):
+        splits = (1, sizes["expert"]) if experts else (1,) * len(stack)
+        k = math.prod(sizes[a] for a in axes if not (experts and a == "expert"))
+        one = newton_schulz_flops(fan_in, fan_out, p.ns_steps)
+        found = owner_dim(stack, splits, k) if k > 1 and p.placement != "sharded" else None
+        if found is None or (p.placement == "auto" and found[1] > 2 * stack[found[0]]):
+            flops += math.prod(stack) * one / (k * math.prod(splits))
+            continue
+        dim, padded = found
+        share = padded * math.prod(stack) // stack[dim] // (k * math.prod(splits))
+        flops += share * one
+        nbytes += 4 * share * fan_in * fan_out
+    return flops, nbytes
