@@ -52,6 +52,9 @@ SMOKE      ?= tests/test_mesh.py tests/test_onebit.py tests/test_moe_parallel.py
               tests/test_plan_processes.py \
               "tests/test_zero_step.py::test_explicit_zero3_equals_sharding_path_and_single_device[hosts2/tensor2/layer]" \
               tests/test_zero_step.py::test_zeropp_beside_tensor_parallelism_trains_like_zero3_and_moves_over_zero_axes_only \
+              tests/test_muon.py::test_update_matches_a_float64_reference \
+              "tests/test_muon.py::test_engine_matches_single_device[zero3_owner]" \
+              "tests/test_muon.py::test_engine_matches_single_device[moe_expert2_zero3_owner]" \
               tests/test_gpu_suite.py
 test-jax-min: $(STAMP)
 	test -x $(VENV_MIN)/bin/python || $(PY) -m venv $(VENV_MIN)

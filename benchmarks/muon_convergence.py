@@ -11,7 +11,7 @@ first evaluation at or below it, linearly interpolated between evaluations). Tar
 
     python benchmarks/muon_convergence.py              # 300 steps, lr 1e-3 and 3e-3 (~4 x 5 min)
     python benchmarks/muon_convergence.py --quick      # 4 steps of 2 layers, to check the script
-    python benchmarks/muon_convergence.py --lrs 1e-3 2e-3 4e-3
+    python benchmarks/muon_convergence.py --adamw-lrs 5e-4 1e-3 --muon-lrs 3e-3 6e-3
 """
 
 from __future__ import annotations
@@ -72,17 +72,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=8)
-    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3],
+                        help="the lr grid of both optimizers")
+    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=None, help="AdamW's own")
+    parser.add_argument("--muon-lrs", type=float, nargs="+", default=None, help="Muon's own")
     parser.add_argument("--quick", action="store_true", help="4 steps of 2 layers, one lr")
     args = parser.parse_args(argv)
     steps, every, batches = (4, 2, 1) if args.quick else (args.steps, args.eval_every,
                                                           args.eval_batches)
-    lrs = args.lrs[:1] if args.quick else args.lrs
+    grids = {"AdamW": args.adamw_lrs or args.lrs, "Muon": args.muon_lrs or args.lrs}
+    if args.quick:
+        grids = {opt: lrs[:1] for opt, lrs in grids.items()}
     model = QUICK if args.quick else []
 
     runs = {(opt, lr): curve(opt, lr, model, steps=steps, every=every, eval_batches=batches)
-            for opt in ("AdamW", "Muon") for lr in lrs}
-    rows = [[opt, lr, *(f"{loss:.4f}" for _, loss in points)]
+            for opt, lrs in grids.items() for lr in lrs}
+    rows = [[opt, f"{lr:g}", *(f"{loss:.4f}" for _, loss in points)]
             for (opt, lr), points in runs.items()]
     evals = [step for step, _ in next(iter(runs.values()))]
     _common.print_table(["optimizer", "lr", *(f"step {s}" for s in evals)], rows)
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     reached = steps_to_reach(muon, adamw[-1][1])
     fraction = None if reached is None else reached / adamw[-1][0]
     print(json.dumps({
-        "benchmark": NAME, "case": f"tiny GPT, {steps} steps, lr grid {lrs}",
+        "benchmark": NAME, "case": f"tiny GPT, {steps} steps, lr grids {grids}",
         "jaxspeed": None if reached is None else round(reached, 1), "baseline": adamw[-1][0],
         "unit": "steps to AdamW's final held-out loss", "ratio": fraction and round(fraction, 3),
         "target": TARGET, "best_lr": best,

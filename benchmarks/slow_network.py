@@ -14,7 +14,8 @@ tokens of the last half of the logged steps over their time; the 1-bit optimizer
 quarter of the run, so every measured step is a compressed one (the planner prices the same
 half: `traffic.exchange_fractions`).
 
-Configurations, each beside its baseline: ZeRO-3 against ZeRO++ (qwZ + qgZ + hpZ), both bf16;
+Configurations, each beside its baseline: ZeRO-3 against ZeRO++ (qwZ + qgZ + hpZ) and against
+Muon (`zero3_muon`: its matrices moved whole to their owners and back), all bf16;
 AdamW against OneBitAdam and ZeroOneAdam; Lamb against OneBitLamb; and `configs/gpt_moe.yaml`
 with its expert axis across the hosts (`mesh.expert=4, mesh.data=1`), the flat all-to-all
 against the hierarchical one in chunks (`model.moe.all_to_all=hierarchical, a2a_chunks=auto`),
@@ -72,6 +73,7 @@ CONFIGS: dict[str, Case] = {
     "zero3_host_major": Case("zero3_data_major", (*_ZERO3, "zero_optimization.shard_order=host")),
     # tensor parallelism inside each host, ZeRO-3 across the two (issue 58): qwZ and qgZ on
     # the tensor parts (hpZ has no ZeRO group inside a host to use here)
+    "zero3_muon": Case("zero3", (*_ZERO3, "optimizer.type=Muon")),
     "zero3_tp": Case(None, (*_ZERO3, "mesh.tensor=2", "mesh.data=2")),
     "zeropp_tp": Case("zero3_tp", (*_ZERO3, "mesh.tensor=2", "mesh.data=2",
                                    "zero_optimization.zero_quantized_weights=true",
