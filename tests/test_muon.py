@@ -405,3 +405,23 @@ def test_the_planner_counts_newton_schulz_flops():
                            {"data": 8})
         extra = estimate(muon_cfg, plan, cluster).flops - estimate(base, plan, cluster).flops
         assert extra == pytest.approx(matrices_per_stack * one)
+
+
+def test_adamw_lr_follows_the_schedule():
+    """`adamw_lr` is AdamW's peak: the scheduler scales it as it scales `lr` (AdamW's update is
+    linear in its lr, so twice the peak is twice the update at every step)."""
+    from jaxspeed.optim import build_optimizer
+
+    def adamw_updates(**params):
+        cfg = js.load_config({"optimizer": {"type": "Muon", "params": {"lr": 0.01, **params}},
+                              "scheduler": {"type": "WarmupLR", "params": {
+                                  "warmup_num_steps": 4, "warmup_type": "linear"}}})
+        tx, _ = build_optimizer(cfg)
+        params_ = {"embedding": jnp.ones((8, 4)), "w": jnp.ones((4, 4))}
+        state, out = tx.init(params_), []
+        for _ in range(3):
+            updates, state = tx.update(jax.tree.map(jnp.ones_like, params_), state, params_)
+            out.append(float(updates["embedding"][0, 0]))
+        return np.array(out)
+
+    np.testing.assert_allclose(adamw_updates(adamw_lr=0.02), 2 * adamw_updates(), rtol=1e-6)

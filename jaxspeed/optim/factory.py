@@ -239,12 +239,16 @@ def _zero_one_adam(
 
 
 def _muon(p: MuonParams, lr: optax.ScalarOrSchedule, layout) -> optax.GradientTransformation:
+    """Muon; AdamW's `adamw_lr` follows the same schedule, scaled by `adamw_lr / lr`."""
     from jaxspeed.optim.muon import Layout, muon
 
+    adamw_lr = p.adamw_lr
+    if adamw_lr is not None and callable(lr) and p.lr:
+        adamw_lr = lambda step: lr(step) * (p.adamw_lr / p.lr)  # noqa: E731
     return muon(
         lr, beta=p.momentum, nesterov=p.nesterov, ns_steps=p.ns_steps, rms_scale=p.rms_scale,
         weight_decay=p.weight_decay, split_heads=p.split_heads, adamw_params=p.adamw_params,
-        adamw_learning_rate=p.adamw_lr, adamw_betas=p.betas, adamw_eps=p.eps,
+        adamw_learning_rate=adamw_lr, adamw_betas=p.betas, adamw_eps=p.eps,
         adamw_weight_decay=p.adamw_weight_decay, placement=p.placement,
         layout=layout or Layout(),
     )

@@ -305,6 +305,6 @@ def muon(
             optax.add_decayed_weights(weight_decay),
             optax.scale_by_learning_rate(learning_rate),
         ),
-        _ADAMW: optax.adamw(adamw_learning_rate or learning_rate, b1=b1, b2=b2, eps=adamw_eps,
-                            weight_decay=wd),
+        _ADAMW: optax.adamw(learning_rate if adamw_learning_rate is None else adamw_learning_rate,
+                            b1=b1, b2=b2, eps=adamw_eps, weight_decay=wd),
     }, labels)
