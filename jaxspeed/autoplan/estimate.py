@@ -42,7 +42,6 @@ no more (every figure per device, per optimizer step):
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from jaxspeed.autoplan import comm, moe_exchange, traffic
