@@ -201,6 +201,11 @@ class MuonParams(_OptimizerParams):
     #: where each matrix's Newton–Schulz runs: on its owners (`owner`), where its momentum
     #: lives (`sharded`), or `owner` for state split inside its matrices (`auto`)
     placement: Literal["auto", "owner", "sharded"] = "auto"
+    #: MuonClip (Kimi K2): after each update, scale back the query/key projections of the
+    #: attention heads whose largest logit passed this threshold (null: off)
+    qk_clip: Annotated[_Float, Field(gt=0)] | None = None
+    #: the query's share of QK-clip's scaling (the key takes the rest)
+    qk_clip_alpha: Annotated[_Float, Field(ge=0, le=1)] = 0.5
 
 
 AdamConfig = _typed("optimizer", "Adam", AdamParams)

@@ -22,12 +22,13 @@ from jaxspeed.attention.sequence_parallel import sequence_parallel_attention
 from jaxspeed.attention.sparsity import SparsityConfig
 from jaxspeed.errors import ConfigError
 from jaxspeed.models.decode_cache import attend_cached, cache_index
-from jaxspeed.models.dense_attention import attend, share_kv_heads
+from jaxspeed.models.dense_attention import attend, max_logits, share_kv_heads
 from jaxspeed.models.layers import INIT_STD, cast, logical_param
 from jaxspeed.models.positions import Rotary, rotary_embedding
 from jaxspeed.models.sequence_split import SequenceSplit, sequence_split
 from jaxspeed.ops import fp8 as fp8_ops
 from jaxspeed.ops import matmul
+from jaxspeed.ops.losses import LOGIT_MAX
 
 Array = jax.Array
 Dtype = Any
@@ -87,6 +88,9 @@ class Attention(nn.Module):
     sliding_window: int | None = None
     #: FP8 for the q/k/v/out projections (attention itself stays in the compute dtype)
     fp8: fp8_ops.Fp8Recipe | None = None
+    #: record each head's largest logit in the `LOGIT_MAX` collection (QK-clip's statistic;
+    #: over every causal key, so under a block-sparse layout an upper bound)
+    logit_max: bool = False
 
     @nn.compact
     def __call__(self, x: Array, segment_ids: Array | None = None,
@@ -133,7 +137,12 @@ class Attention(nn.Module):
             y = attend_cached(self, q, k, v, index, positions, cache_len=self.cache_len,
                               n_heads=self.n_heads)
         else:
-            y = self._attend(q, *share_kv_heads(k, v, self.n_heads), split, segment_ids)
+            k, v = share_kv_heads(k, v, self.n_heads)
+            if self.logit_max:
+                self.sow(LOGIT_MAX, "heads", max_logits(
+                    q, k, None if split is None else positions, segment_ids,
+                    window=self.sliding_window, block=self.block_q))
+            y = self._attend(q, k, v, split, segment_ids)
         y = nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
         y = checkpoint_name(y, "attn_context")
         out = logical_param(

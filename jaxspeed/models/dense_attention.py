@@ -49,6 +49,44 @@ def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = N
     return matmul.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+def max_logits(q: Array, k: Array, order: Array | None = None,
+               segment_ids: Array | None = None, *, window: int | None = None,
+               block: int = 512) -> Array:
+    """Each head's largest attention logit `q·k/√head_dim` over the keys its queries see
+    (QK-clip's statistic), without gradient, `block` queries at a time.
+
+    Args:
+      q, k: `[batch, length, heads, head_dim]` (grouped key heads already shared).
+      order: int `[length]`, each row's place in the sequence (a load-balanced sequence
+        split's layout); None: `0, 1, ...`.
+      segment_ids, window: as `causal_attention`'s.
+      block: queries per block of scores (`[batch, heads, block, length]` float32 at a time).
+
+    Returns:
+      float32 `[heads]`.
+    """
+    q, k = jax.lax.stop_gradient((q, k))
+    batch, length = q.shape[:2]
+    order = jnp.arange(length) if order is None else order
+    segments = jnp.zeros((batch, length), jnp.int32) if segment_ids is None else segment_ids
+    blocks = length // block if length > block and length % block == 0 else 1
+
+    def one(args):
+        q_block, q_order, q_segments = args
+        scores = matmul.einsum("bqhd,bkhd->bhqk", q_block, k,
+                               preferred_element_type=jnp.float32)
+        scores = scores.astype(jnp.float32) / math.sqrt(q.shape[-1])
+        keep = order[None, :] <= q_order[:, None]
+        if window is not None:
+            keep = keep & (order[None, :] > q_order[:, None] - window)
+        keep = keep[None, None] & (q_segments[:, None, :, None] == segments[:, None, None, :])
+        return jnp.max(jnp.where(keep, scores, -jnp.inf), axis=(0, 2, 3))
+
+    split = lambda x, axis: jnp.moveaxis(  # noqa: E731
+        x.reshape(*x.shape[:axis], blocks, length // blocks, *x.shape[axis + 1:]), axis, 0)
+    return jnp.max(jax.lax.map(one, (split(q, 1), split(order, 0), split(segments, 1))), axis=0)
+
+
 def same_segment(segment_ids: Array) -> Array:
     """bool `[batch, 1, length, length]`: query and key in the same segment."""
     return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]

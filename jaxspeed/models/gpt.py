@@ -43,7 +43,7 @@ from jaxspeed.ops import matmul
 from jaxspeed.ops.fp8 import META as FP8_META
 from jaxspeed.ops.fp8 import Fp8Recipe
 from jaxspeed.ops import offload
-from jaxspeed.ops.losses import AUX_LOSS, STEP_METRICS
+from jaxspeed.ops.losses import AUX_LOSS, LOGIT_MAX, STEP_METRICS
 from jaxspeed.ops.remat import checkpoint_policy
 from jaxspeed.sharding.zero_collectives import not_gathered
 
@@ -110,6 +110,8 @@ class GPT(nn.Module):
     stream_layers: Dtype | None = None
     #: FP8 matmuls in the blocks (`jaxspeed.ops.fp8`); None: the compute dtype throughout
     fp8: Fp8Recipe | None = None
+    #: each attention layer records its heads' largest logit (`LOGIT_MAX`, for QK-clip)
+    record_logit_max: bool = False
     #: ZeRO-3 with explicit collectives (`jaxspeed.train.zero_step`): `(variables) ->
     #: variables` applied to each scanned unit's ZeRO-sharded params inside the step's
     #: `shard_map`, gathering them. The backward pass gathers them again, as DeepSpeed's
@@ -153,6 +155,7 @@ class GPT(nn.Module):
             cache_len=self.max_seq_len,
             qkv_bias=self.attention_bias,
             sliding_window=self.sliding_window,
+            logit_max=self.record_logit_max,
         )
         block = dict(
             d_ff=self.d_ff,
@@ -189,7 +192,7 @@ class GPT(nn.Module):
         scanned = nn.scan(
             unit_cls,
             variable_axes={"params": 0, AUX_LOSS: 0, MOE_METRICS: 0, STEP_METRICS: 0, "cache": 0,
-                           FP8_META: 0},
+                           FP8_META: 0, LOGIT_MAX: 0},
             split_rngs={"params": True, GATING_RNG: True},
             in_axes=nn.broadcast,
             length=num_units,
@@ -284,7 +287,7 @@ _COPIED = (*architecture_keys(SHAPES, CONTEXT), "rope_theta")
 
 def build_gpt(
     model_cfg: ModelConfig | Any, *, remat_policy: str = "none", remat_names=(),
-    stream_layers=None, fp8: Fp8Recipe | None = None,
+    stream_layers=None, fp8: Fp8Recipe | None = None, record_logit_max: bool = False,
 ) -> GPT:
     """Builds a `GPT` from the `model:` section.
 
@@ -296,6 +299,7 @@ def build_gpt(
       stream_layers: the dtype the scanned layers' host-resident params are fetched in, one
         unit at a time (see `GPT`); None: params arrive on the device.
       fp8: the blocks' FP8 recipe (`jaxspeed.ops.fp8.Fp8Recipe`), or None.
+      record_logit_max: each attention layer records its heads' largest logit (QK-clip).
 
     Returns:
       The (unbound) `GPT` module.
@@ -323,7 +327,7 @@ def build_gpt(
         moe=None if moe is None else tuple(sorted(_moe_options(moe, cfg).items())),
         moe_every=1 if moe is None else moe.every_n_layers,
         remat_policy=remat_policy, remat_names=tuple(remat_names), stream_layers=stream_layers,
-        fp8=fp8,
+        fp8=fp8, record_logit_max=record_logit_max,
     )
 
 

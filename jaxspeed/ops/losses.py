@@ -66,3 +66,45 @@ def step_metrics(collections: Mapping[str, Any]) -> dict[str, jax.Array]:
         for leaf in jax.tree.leaves(values):
             totals[path[-1]] = totals.get(path[-1], 0.0) + jnp.sum(leaf.astype(jnp.float32))
     return totals
+
+
+#: The Flax variable collection attention layers `sow` each head's largest attention logit into
+#: when an optimizer clips them (Muon's `qk_clip`). The step reduces it by its maximum over the
+#: microbatches and devices, hands it to the optimizer (`tx.update(..., attn_logit_max=...)`)
+#: and logs its overall maximum under the same name.
+LOGIT_MAX = "attn_logit_max"
+
+
+def logit_maxima(collections: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """`/`-joined attention module path → its heads' largest logit (float32 `[*stack, heads]`,
+    stacked like the module's params), from the `LOGIT_MAX` collection; empty without one."""
+    flat = traverse_util.flatten_dict(dict(collections.get(LOGIT_MAX, {})))
+    return {"/".join(path[:-1]): jnp.max(jnp.stack(values), axis=0)
+            for path, values in flat.items()}
+
+
+def sum_extras(total: Mapping[str, Any], extras: Mapping[str, Any]) -> dict[str, Any]:
+    """Two microbatches' step extras in one: summed, and the `LOGIT_MAX` maxima maxed."""
+    return {name: jax.tree.map(jnp.maximum if name == LOGIT_MAX else jnp.add, total[name], value)
+            for name, value in extras.items()}
+
+
+def zero_extras(shapes: Mapping[str, Any]) -> dict[str, Any]:
+    """The identity of `sum_extras` for extras shaped like `shapes`."""
+    def zeros(name):
+        fill = -jnp.inf if name == LOGIT_MAX else 0.0
+        return lambda s: jnp.full(s.shape, fill, s.dtype)
+
+    return {name: jax.tree.map(zeros(name), value) for name, value in shapes.items()}
+
+
+def mean_extras(extras: Mapping[str, Any], count: int,
+                axes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`sum_extras` over `count` microbatches → their means (the maxima stay maxima), reduced
+    over the manual mesh `axes` too inside a `shard_map`."""
+    def one(name):
+        if name == LOGIT_MAX:
+            return lambda x: jax.lax.pmax(x, axes) if axes else x
+        return lambda x: jax.lax.pmean(x / count, axes) if axes else x / count
+
+    return {name: jax.tree.map(one(name), value) for name, value in extras.items()}

@@ -250,7 +250,7 @@ def _muon(p: MuonParams, lr: optax.ScalarOrSchedule, layout) -> optax.GradientTr
         weight_decay=p.weight_decay, split_heads=p.split_heads, adamw_params=p.adamw_params,
         adamw_learning_rate=adamw_lr, adamw_betas=p.betas, adamw_eps=p.eps,
         adamw_weight_decay=p.adamw_weight_decay, placement=p.placement,
-        layout=layout or Layout(),
+        layout=layout or Layout(), qk_clip=p.qk_clip, qk_clip_alpha=p.qk_clip_alpha,
     )
 
 

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.config.optimizer import MUON_ADAMW_PARAMS as ADAMW_PARAMS
+from jaxspeed.optim.qk_clip import qk_clip as clip_logits
 from jaxspeed.sharding.leaves import LeafPlan
 from jaxspeed.tree_paths import key_names
 
@@ -241,6 +242,8 @@ def muon(
     adamw_weight_decay: float | None = None,
     placement: Placement = "auto",
     layout: Layout = Layout(),
+    qk_clip: float | None = None,
+    qk_clip_alpha: float = 0.5,
 ) -> optax.GradientTransformation:
     """Muon on the weight matrices and AdamW on the rest, as one optax transformation.
 
@@ -255,9 +258,12 @@ def muon(
       adamw_weight_decay: AdamW's weight decay (None: `weight_decay`).
       placement: where each matrix's Newton–Schulz runs: `auto`, `owner` or `sharded`.
       layout: the params' logical axes and optimizer-state shardings (`Layout`).
+      qk_clip, qk_clip_alpha: MuonClip: `jaxspeed.optim.qk_clip.qk_clip(qk_clip,
+        qk_clip_alpha)` after the update (None: off).
 
     Returns:
-      The `optax.GradientTransformation`; its `update` needs no params for Muon's leaves.
+      The `optax.GradientTransformation`; its `update` needs no params for Muon's leaves. With
+      `qk_clip` it needs the params and `attn_logit_max=` (`jaxspeed.optim.qk_clip`).
     """
     if ns_steps < 1 or not 0.0 <= beta < 1.0 or rms_scale <= 0:
         raise ValueError(f"muon: need ns_steps >= 1, 0 <= beta < 1 and rms_scale > 0; got "
@@ -298,7 +304,7 @@ def muon(
 
     wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
     b1, b2 = adamw_betas
-    return optax.partition({
+    tx = optax.partition({
         _MUON: optax.chain(
             scale_by_muon(matrix, beta=beta, nesterov=nesterov, ns_steps=ns_steps,
                           ns_dtype=ns_dtype, rms_scale=rms_scale, owner=owner),
@@ -308,3 +314,4 @@ def muon(
         _ADAMW: optax.adamw(learning_rate if adamw_learning_rate is None else adamw_learning_rate,
                             b1=b1, b2=b2, eps=adamw_eps, weight_decay=wd),
     }, labels)
+    return tx if qk_clip is None else optax.chain(tx, clip_logits(qk_clip, qk_clip_alpha))

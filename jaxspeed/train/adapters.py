@@ -17,7 +17,8 @@ from flax import nnx
 
 from jaxspeed.errors import JaxspeedError
 from jaxspeed.ops.fp8 import META
-from jaxspeed.ops.losses import AUX_LOSS, STEP_METRICS, step_metrics, total_aux_loss
+from jaxspeed.ops.losses import (AUX_LOSS, LOGIT_MAX, STEP_METRICS, logit_maxima, step_metrics,
+                                 total_aux_loss)
 from jaxspeed.tree_paths import key_names
 
 
@@ -43,7 +44,9 @@ class ModelFns(NamedTuple):
         sequences), passed to the model as keyword arguments; `aux_loss` is the sum of the
         auxiliary losses the model recorded (Linen: `sow`n into the `aux_loss` collection),
         or None when it records none; `metrics`: name → float32 scalar the model recorded
-        for this step (Linen: the `step_metrics` collection, `step_metrics`), logged.
+        for this step (Linen: the `step_metrics` collection, `step_metrics`), logged; and
+        under `LOGIT_MAX`, when the model records them (QK-clip), its attention heads'
+        largest logits (`jaxspeed.ops.losses.logit_maxima`), which go to the optimizer.
       init: `(rng) -> params`, traceable (jitted with the plan's shardings), or None when
         the params already exist (`initial_params`).
       initial_params: concrete params (NNX instances, plain pytrees), else None.
@@ -62,7 +65,7 @@ class ModelFns(NamedTuple):
 
 
 #: What `init` keeps: every collection but the sown losses, metrics and intermediates.
-_INIT_COLLECTIONS = flax.core.DenyList((AUX_LOSS, STEP_METRICS, "intermediates"))
+_INIT_COLLECTIONS = flax.core.DenyList((AUX_LOSS, STEP_METRICS, LOGIT_MAX, "intermediates"))
 
 
 def _rngs(rng: jax.Array, *, params: bool = False) -> dict[str, jax.Array]:
@@ -88,9 +91,10 @@ def linen_apply(module: nn.Module):
         kwargs = {"deterministic": not train} if flag else {}
         variables = {"params": params} if fp8_meta is None else {"params": params, META: fp8_meta}
         outputs, state = module.apply(
-            variables, inputs, rngs=rngs, mutable=[AUX_LOSS, STEP_METRICS], **kwargs,
+            variables, inputs, rngs=rngs, mutable=[AUX_LOSS, STEP_METRICS, LOGIT_MAX], **kwargs,
             **features)
-        return outputs, total_aux_loss(state), step_metrics(state)
+        metrics, maxima = step_metrics(state), logit_maxima(state)
+        return outputs, total_aux_loss(state), {**metrics, LOGIT_MAX: maxima} if maxima else metrics
 
     return apply
 

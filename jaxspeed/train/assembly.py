@@ -35,7 +35,8 @@ def check_supported(config: Config) -> None:
     """Combinations whose config keys exist but which do not work together: refuse, never fake."""
     if config.mesh.pipe > 1:
         _refuse((("model.moe", config.model.moe is not None),
-                 (f"optimizer.type={config.optimizer.type}", config.optimizer.type in ONEBIT_TYPES)),
+                 (f"optimizer.type={config.optimizer.type}", config.optimizer.type in ONEBIT_TYPES),
+                 ("optimizer.params.qk_clip", clips_logits(config))),
                 f"pipeline parallelism (mesh.pipe={config.mesh.pipe})", "use mesh.pipe=1")
 
 
@@ -96,8 +97,14 @@ def reference_gpt(config: Config):
     return build_gpt(
         config.model, remat_policy=remat.policy, remat_names=remat.names,
         stream_layers=precision.compute_dtype(config) if stream else None,
-        fp8=fp8_recipe(config),
+        fp8=fp8_recipe(config), record_logit_max=clips_logits(config),
     )
+
+
+def clips_logits(config: Config) -> bool:
+    """Whether the optimizer clips attention logits (Muon's `qk_clip`), so that the model
+    records them."""
+    return getattr(config.optimizer.params, "qk_clip", None) is not None
 
 
 def fp8_recipe(config: Config) -> Fp8Recipe | None:

@@ -13,6 +13,7 @@ import optax
 
 from jaxspeed.ops import offload
 from jaxspeed.ops import precision
+from jaxspeed.ops.losses import LOGIT_MAX, mean_extras, sum_extras, zero_extras
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -155,7 +156,7 @@ def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, rng, scale, f
             compute_params, meta, batch, jax.random.fold_in(rng, i))
         # ZeRO-2/3: the running sum already lives in the gradient sharding (reduce-scattered).
         grads_sum = constrain(offload.map_where_it_lives(jnp.add, grads_sum, _float32(grads)))
-        extras_sum = jax.tree.map(jnp.add, extras_sum, extras)
+        extras_sum = sum_extras(extras_sum, extras)
         return (grads_sum, loss_sum + loss, extras_sum, meta), None
 
     def zeros_like(p):  # in the memory the gradient will arrive in
@@ -167,11 +168,10 @@ def _loss_and_grads(spec: StepSpec, compute_params, micro_batches, rng, scale, f
     extras_shape = jax.eval_shape(
         lambda p, m, b: _microbatch_loss(spec, p, b, rng, scale, fp8_meta=m)[1][1],
         compute_params, fp8_meta, first)
-    init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, extras_shape),
-            fp8_meta)
+    init = (zeros, jnp.zeros((), jnp.float32), zero_extras(extras_shape), fp8_meta)
     (grads, loss, extras, meta), _ = jax.lax.scan(body, init, (jnp.arange(n), micro_batches))
     mean = lambda x: x / n  # noqa: E731
-    return mean(loss), jax.tree.map(mean, extras), constrain(
+    return mean(loss), mean_extras(extras, n), constrain(
         _divide(grads, n * scale)
     ), meta
 
@@ -220,9 +220,13 @@ def _all_finite(grads):
     return jnp.all(jnp.stack(offload.device_scalars(precision.all_finite, grads)))
 
 
-def _apply_update(tx: optax.GradientTransformation, grads, opt_state, params, finite):
-    """The optimizer update; with fp16 (`finite` given) a non-finite step keeps the old state."""
-    updates, new_opt_state = tx.update(grads, opt_state, params)
+def _apply_update(tx: optax.GradientTransformation, grads, opt_state, params, finite,
+                  logit_max=None):
+    """The optimizer update; with fp16 (`finite` given) a non-finite step keeps the old state.
+    The model's attention logit maxima (QK-clip), when it records them, go to `tx` as the
+    extra argument `attn_logit_max`."""
+    extra = {} if logit_max is None else {LOGIT_MAX: logit_max}
+    updates, new_opt_state = tx.update(grads, opt_state, params, **extra)
     new_params = optax.apply_updates(params, updates)
     if finite is None:
         return new_params, new_opt_state
@@ -232,15 +236,16 @@ def _apply_update(tx: optax.GradientTransformation, grads, opt_state, params, fi
     )
 
 
-def _clip_and_update(tx, max_norm: float, grads, norm, opt_state, params, finite):
+def _clip_and_update(tx, max_norm: float, grads, norm, opt_state, params, finite,
+                     logit_max=None):
     """`clip_by_global_norm(max_norm)` with a norm computed elsewhere, then the update."""
     if max_norm > 0:
         trigger = norm < max_norm
         grads = jax.tree.map(lambda g: jax.lax.select(trigger, g, (g / norm) * max_norm), grads)
-    return _apply_update(tx, grads, opt_state, params, finite)
+    return _apply_update(tx, grads, opt_state, params, finite, logit_max)
 
 
-def _update(spec: StepSpec, grads, norm, opt_state, params, finite):
+def _update(spec: StepSpec, grads, norm, opt_state, params, finite, logit_max=None):
     """`_apply_update` where the plan says: on the device, or on the host (CPU-Adam)."""
     off = spec.offload or OffloadSpec()
     if off.host_update is None:
@@ -250,7 +255,7 @@ def _update(spec: StepSpec, grads, norm, opt_state, params, finite):
             params = offload.to_device(params, off.params)
         if off.streamed is not None:  # the streamed layers' gradients are in host memory
             grads = jax.device_put(grads, jax.memory.Space.Device)
-        return _apply_update(spec.tx, grads, opt_state, params, finite)
+        return _apply_update(spec.tx, grads, opt_state, params, finite, logit_max)
     grads_host, params_host, scalar_host = off.host_update
     to_host = lambda x, where: None if x is None else jax.device_put(x, where)  # noqa: E731
     update = functools.partial(_clip_and_update, spec.tx, off.clip)
@@ -261,6 +266,7 @@ def _update(spec: StepSpec, grads, norm, opt_state, params, finite):
         opt_state,
         to_host(params, params_host),
         to_host(finite, scalar_host),
+        to_host(logit_max, scalar_host),
     )
 
 
@@ -290,13 +296,18 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     norm = _global_norm(grads)
     loss_scale = state.loss_scale
     finite = _all_finite(grads) if loss_scale is not None else None
-    params, opt_state = _update(spec, grads, norm, state.opt_state, state.params, finite)
+    extras = dict(extras)
+    logit_max = extras.pop(LOGIT_MAX, None)
+    params, opt_state = _update(spec, grads, norm, state.opt_state, state.params, finite,
+                                logit_max)
     metrics = {
         "loss": loss,
         "grad_norm": norm,
         "lr": jnp.asarray(spec.schedule(state.step), jnp.float32),
         **extras,
     }
+    if logit_max is not None:  # the step's largest attention logit
+        metrics[LOGIT_MAX] = jnp.max(jnp.stack([jnp.max(x) for x in jax.tree.leaves(logit_max)]))
     if loss_scale is not None:
         loss_scale = precision.update_loss_scale(
             loss_scale, finite, **precision.loss_scale_options(spec.fp16)

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops import offload
+from jaxspeed.ops.losses import mean_extras, sum_extras
 from jaxspeed.runtime.distributed import over_gloo, process_count
 from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE
 from jaxspeed.sharding.leaves import LeafPlan
@@ -148,7 +149,9 @@ class ZeroStep:
                 total = grads_of(0, jax.tree.map(lambda x: x[0], micro))
                 if spec.accumulation > 1:
                     def body(carry, indexed):
-                        return jax.tree.map(jnp.add, carry, grads_of(*indexed)), None
+                        loss, extras, grads = grads_of(*indexed)
+                        return (carry[0] + loss, sum_extras(carry[1], extras),
+                                jax.tree.map(jnp.add, carry[2], grads)), None
                     rest = jax.tree.map(lambda x: x[1:], micro)
                     total, _ = jax.lax.scan(
                         body, total, (jnp.arange(1, spec.accumulation), rest))
@@ -157,7 +160,7 @@ class ZeroStep:
             mean = lambda x: jax.lax.pmean(x / n, self.split)  # noqa: E731
             divisor = n * self.workers * scale
             grads = jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
-            return mean(loss), jax.tree.map(mean, extras), grads
+            return mean(loss), mean_extras(extras, n, self.split), grads
 
         specs = self.specs
         return jax.shard_map(
