@@ -14,7 +14,7 @@ from jaxspeed.data import TokenDataset
 from jaxspeed.errors import ConfigError
 from jaxspeed.models import build_gpt
 from jaxspeed.models.dense_attention import max_logits
-from jaxspeed.ops.losses import LOGIT_MAX, logit_maxima
+from jaxspeed.ops.losses import LOGIT_MAX, logit_maxima, mean_extras, sum_extras, zero_extras
 from jaxspeed.optim.qk_clip import qk_clip
 from numerics import UNIT_ROUNDOFF, assert_close, gpt_rtol, program_rtol
 from test_muon import TINY
@@ -42,6 +42,20 @@ def test_max_logits_match_float64(block, window, permuted):
                      window=window, block=block)
     want = reference_max_logits(q, k, order, segments, window)
     np.testing.assert_allclose(got, want, rtol=program_rtol(width=8, depth=1), atol=0)
+
+
+def test_microbatch_extras_sum_and_max():
+    """The step's extras over microbatches: summed then averaged, the maxima maxed, negative
+    ones included (the accumulator starts at -inf)."""
+    shapes = {"aux_loss": jnp.zeros(()), LOGIT_MAX: {"layers/attn": jnp.zeros((2,))}}
+    micro = [{"aux_loss": jnp.float32(a), LOGIT_MAX: {"layers/attn": jnp.asarray(m)}}
+             for a, m in ((1.0, [-3.0, 2.0]), (2.0, [-5.0, 1.0]))]
+    total = zero_extras(shapes)
+    for extras in micro:
+        total = sum_extras(total, extras)
+    got = mean_extras(total, 2)
+    assert float(got["aux_loss"]) == 1.5
+    np.testing.assert_array_equal(got[LOGIT_MAX]["layers/attn"], [-3.0, 2.0])
 
 
 THRESHOLD = 1.0
@@ -112,10 +126,11 @@ def test_config_refuses_a_pipeline_and_bad_values():
 # lr 0: the step changes nothing but what QK-clip scales, so the expected params are the
 # initial ones with each clipped head's projections times gamma^(1/2)
 ENGINE = [*TINY, "optimizer.params.lr=0", "bf16.enabled=false", "mesh.data=8"]
+# two microbatches: the maxima are maxima over them (and over devices: explicit ZeRO-3's map)
 CASES = {
-    "zero3_accumulated": ["zero_optimization.stage=3", "gradient_accumulation_steps=2"],
-    "zero3_explicit": ["zero_optimization.stage=3", "zero_optimization.collectives=explicit"],
-    "offload_optimizer_host": ["zero_optimization.stage=2",
+    "zero3_explicit": ["zero_optimization.stage=3", "zero_optimization.collectives=explicit",
+                       "gradient_accumulation_steps=2"],
+    "offload_optimizer_host": ["zero_optimization.stage=2", "gradient_accumulation_steps=2",
                                "zero_optimization.offload_optimizer.device=cpu",
                                "zero_optimization.offload_optimizer.update_on=host"],
 }

@@ -1,5 +1,5 @@
 """Optimizers: factories from config, 1-bit Adam, 0/1 Adam and 1-bit LAMB with their compressed
-all-reduce, LAMB, and Muon."""
+all-reduce, LAMB, and Muon with QK-clip."""
 
 from jaxspeed.optim.compressed import compressed_allreduce
 from jaxspeed.optim.factory import build_optimizer, make_optimizer, make_schedule
@@ -7,6 +7,7 @@ from jaxspeed.optim.lamb import lamb
 from jaxspeed.optim.muon import muon
 from jaxspeed.optim.onebit import OneBitAdamState, onebit_adam
 from jaxspeed.optim.onebit_lamb import OneBitLambState, onebit_lamb
+from jaxspeed.optim.qk_clip import qk_clip
 from jaxspeed.optim.zero_one_adam import ZeroOneAdamState, worker_params, zero_one_adam
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "muon",
     "onebit_adam",
     "onebit_lamb",
+    "qk_clip",
     "worker_params",
     "zero_one_adam",
 ]
