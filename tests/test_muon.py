@@ -308,7 +308,7 @@ def _run(engine, state, batches):
 MOE = ["model.moe={num_experts: 4, k: 2, every_n_layers: 2, capacity_factor: 4.0, "
        "use_rts: false}", "mesh.data=8"]
 CASES = {
-    # 2 layers over 8 owners: `auto` would not pad the stack 4x, `owner` does
+    # the 8 [64, 64] projections of 2 layers fill 8 owners; the 4 MLP matrices pad to 8
     "zero3_owner": ["mesh.data=8", "zero_optimization.stage=3",
                     "optimizer.params.placement=owner"],
     "zero3_sharded": ["mesh.data=8", "zero_optimization.stage=3",
@@ -392,19 +392,20 @@ def test_the_byte_model_prices_the_moves_to_the_owners(case):
 
 def test_the_planner_counts_newton_schulz_flops():
     """The estimate's FLOPs grow by the iteration's (`muon_cost`): ZeRO-3 over 8 spreads the
-    6 layers' stacks over 8 owners, one matrix each; ZeRO-0 iterates on all of them."""
+    6 layers' matrices over 8 owners, pooled by shape: the 24 `[256, 256]` projections 3 each,
+    the 12 `[256, 1024]` MLP matrices padded to 16, 2 each; ZeRO-0 iterates on all of them."""
     from jaxspeed.autoplan.cluster import load_cluster
     from jaxspeed.autoplan.estimate import estimate
 
     cluster = load_cluster("8xh100-nvlink")
     base = js.load_config("configs/gpt_tiny.yaml", overrides=["mesh.data=8"])
     muon_cfg = js.load_config(base, overrides=["optimizer.type=Muon"])
-    one = newton_schulz_flops(256, 256) * 4 + newton_schulz_flops(256, 1024) * 2  # a layer's
-    for stage, matrices_per_stack in ((3, 1), (0, 6)):
+    square, mlp = newton_schulz_flops(256, 256), newton_schulz_flops(256, 1024)
+    for stage, (squares, mlps) in ((3, (3, 2)), (0, (24, 12))):
         plan = from_config(js.load_config(base, overrides=[f"zero_optimization.stage={stage}"]),
                            {"data": 8})
         extra = estimate(muon_cfg, plan, cluster).flops - estimate(base, plan, cluster).flops
-        assert extra == pytest.approx(matrices_per_stack * one)
+        assert extra == pytest.approx(squares * square + mlps * mlp)
 
 
 def test_adamw_lr_follows_the_schedule():

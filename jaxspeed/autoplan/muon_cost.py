@@ -1,10 +1,10 @@
 """What Muon's Newton–Schulz costs a step: the model's matrices, each one's FLOPs, and the bytes
 its stack moves to the devices that own whole matrices and back.
 
-The engine (`jaxspeed.optim.muon`) runs a stack's iterations on the devices that split its
-matrices' state (ZeRO 1-3, tensor parallelism), each on whole matrices (`owner`; `auto` unless
-that pads the stack over 2x), or where the state lives (`sharded`; every device iterates on all
-of them when nothing splits the state). This prices that choice for the planner: the FLOPs join the step's compute (`estimate`), the all-to-alls its
+The engine (`jaxspeed.optim.muon`) runs the iterations on the devices that split the matrices'
+state (ZeRO 1-3, tensor parallelism), each on whole matrices pooled by shape (`owner`; `auto`
+unless that pads the pool over 2x), or where the state lives (`sharded`; every device iterates
+on all of them when nothing splits the state). This prices that choice for the planner: the FLOPs join the step's compute (`estimate`), the all-to-alls its
 traffic (`traffic.step_transfers`). `plan` reads both from the compiled step instead.
 """
 
@@ -66,21 +66,29 @@ def muon_cost(config: Any, *, layers: int, axes: tuple[str, ...], sizes: dict[st
     `layers` of the model's layers, whose state the mesh `axes` (`muon_owners`; `sizes` theirs)
     split, and the experts' also `expert`.
 
-    A stack goes whole to its owners where `owner_dim` finds a dimension (`auto`: padded at
-    most 2x; `sharded`: never):
-    `ceil` of its share of the padded stack each, and the buffer of fp32 momentum exchanged
-    each way (an all-to-all's). Elsewhere the iteration runs where the state is: a share of
-    the FLOPs as the state is split (XLA partitions the matmuls; their collectives are not
-    priced here, `plan` counts them).
+    Unless `sharded`, the matrices of stacks nothing splits (all but the experts under
+    `expert`) are pooled by shape, as the engine pools those of one shape and layout (ZeRO
+    splits the same side of each, up to a transpose), and each pool goes whole to the owners:
+    `ceil` of its share of the pool each (`auto`: padded at most 2x), and the buffer of fp32
+    momentum exchanged each way (an all-to-all's). An expert stack goes to its owners where
+    `owner_dim` finds a dimension, alike. Elsewhere the iteration runs where the state is: a
+    share of the FLOPs as the state is split (XLA partitions the matmuls; their collectives
+    are not priced here, `plan` counts them).
     """
     p = config.optimizer.params
     flops = nbytes = 0.0
+    pools: dict[tuple[int, int, int], int] = {}
     for stack, fan_in, fan_out, experts in muon_matrices(config.model, layers=layers,
                                                          split_heads=p.split_heads):
         splits = (1, sizes["expert"]) if experts else (1,) * len(stack)
         k = math.prod(sizes[a] for a in axes if not (experts and a == "expert"))
         one = newton_schulz_flops(fan_in, fan_out, p.ns_steps)
-        found = owner_dim(stack, splits, k) if k > 1 and p.placement != "sharded" else None
+        moves = k > 1 and p.placement != "sharded"
+        if moves and math.prod(splits) == 1:
+            key = (min(fan_in, fan_out), max(fan_in, fan_out), k)
+            pools[key] = pools.get(key, 0) + math.prod(stack)
+            continue
+        found = owner_dim(stack, splits, k) if moves else None
         if found is None or (p.placement == "auto" and found[1] > 2 * stack[found[0]]):
             flops += math.prod(stack) * one / (k * math.prod(splits))
             continue
@@ -88,4 +96,12 @@ def muon_cost(config: Any, *, layers: int, axes: tuple[str, ...], sizes: dict[st
         share = padded * math.prod(stack) // stack[dim] // (k * math.prod(splits))
         flops += share * one
         nbytes += 4 * share * fan_in * fan_out
+    for (rows, cols, k), count in pools.items():
+        one = newton_schulz_flops(rows, cols, p.ns_steps)
+        share = -(-count // k)
+        if p.placement == "auto" and share * k > 2 * count:
+            flops += count * one / k
+            continue
+        flops += share * one
+        nbytes += 4 * share * rows * cols
     return flops, nbytes

@@ -16,16 +16,21 @@ without logical axes is a matrix when it is 2-D (optax's rule).
 
 Where each matrix's Newton–Schulz runs (`Layout`): `sharded` iterates on the momentum where it
 lives and lets XLA partition the matmuls (for a matrix split by ZeRO or tensor parallelism, a
-collective in every step). `owner` moves the axes that split a leaf's matrices onto one of its
-stack's dimensions (padded to a multiple of them if it must be), so that each device holds whole
-matrices, a share of the stack (DistMuon's round robin, as a sharding), and iterates on them
-without communication: an all-to-all there and back. `auto` is `owner` unless the padding would
-be over half the owners' work; a leaf whose matrices are whole already iterates where it is.
+collective in every step). `owner` moves the axes that split the matrices onto a stack
+dimension, so that each device holds whole matrices, a share of the stack (DistMuon's round
+robin, as a sharding), and iterates on them without communication: an all-to-all there and
+back. The matrices of every leaf whose stack nothing splits are pooled by shape and layout
+(the q, k, v and out projections of every layer are one pool of `[d, d]` matrices), so the
+padding to a multiple of the owners is paid once per pool, not per leaf (`Pool`). A stack an
+axis splits already (the experts under `expert`) moves onto one of its own dimensions, padded
+(`Owners`). `auto` is `owner` unless the padding would be over half the owners' work; a leaf
+whose matrices are whole already iterates where it is.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 from typing import Any, Literal, NamedTuple
 
@@ -151,6 +156,26 @@ class Owners(NamedTuple):
     sharding: NamedSharding
 
 
+class Pool(NamedTuple):
+    """Where the matrices of a stack nothing splits go whole: pooled with every other matrix of
+    the same shape and layout, the pool padded to a multiple of the devices that split them
+    (the mesh `axes`) and spread over them. `auto`: not when padding would be over half the
+    owners' work.
+
+    Attributes:
+      flip: the leaf's matrices are transposed into the pool (to be wide; a square one, to be
+        split by its columns like the others).
+      layout: the mesh axes that split the pooled matrices' rows, and their columns: the
+        members of a pool concatenate where they are.
+    """
+
+    axes: tuple[str, ...]
+    mesh: Mesh
+    auto: bool
+    flip: bool = False
+    layout: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+
+
 def owner_dim(batch_sizes, batch_splits, owners: int) -> tuple[int, int] | None:
     """The batch dimension of a stack to spread it over `owners` more devices, and its size
     padded to a multiple of its split: the one padded least. A dimension already split is not
@@ -183,6 +208,35 @@ def _orthogonalize(x, m: Matrix, *, steps, dtype, owners: Owners | None):
     return out
 
 
+def _stacked(x, m: Matrix, flip: bool) -> jax.Array:
+    """`x`'s matrices as one stack `[count, fan_in, fan_out]`, transposed with `flip`."""
+    stack = x.transpose(m.batch + m.reduction + m.output).reshape(-1, *m.fans(x.shape))
+    return stack.mT if flip else stack
+
+
+def _unstacked(stack, like, m: Matrix, flip: bool) -> jax.Array:
+    """`_stacked`'s inverse: `stack` back in the layout of `like`."""
+    order = m.batch + m.reduction + m.output
+    stack = stack.mT if flip else stack
+    moved = stack.reshape(tuple(like.shape[a] for a in order))
+    return moved.transpose(tuple(order.index(a) for a in range(like.ndim)))
+
+
+def _pooled(stacks, pool: Pool, *, steps, dtype) -> list[jax.Array]:
+    """Newton–Schulz on every matrix of `stacks` (same `[rows, cols]` and layout), moved whole
+    onto the pool's owners first: concatenated, padded to a multiple of the owners and split
+    over them."""
+    x = jnp.concatenate(stacks)
+    count, owners = x.shape[0], math.prod(pool.mesh.shape[a] for a in pool.axes)
+    size = -(-count // owners) * owners
+    if not (pool.auto and size > 2 * count):
+        x = jnp.pad(x, [(0, size - count), (0, 0), (0, 0)])
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(pool.mesh, P(pool.axes)))
+    out = newton_schulz(x.astype(dtype), steps).astype(x.dtype)
+    bounds = list(itertools.accumulate(s.shape[0] for s in stacks))
+    return [out[end - s.shape[0]:end] for s, end in zip(stacks, bounds)]
+
+
 def scale_by_muon(
     matrix, *, beta: float = 0.95, nesterov: bool = True, ns_steps: int = 5, ns_dtype=None,
     rms_scale: float = 0.2, owner=None,
@@ -196,26 +250,40 @@ def scale_by_muon(
       ns_dtype: the iteration's dtype (None: bfloat16 on GPU, float32 elsewhere).
       rms_scale: the update is scaled to RMS `rms_scale` (`× √max(fan_in, fan_out)` after
         the orthogonalization, whose RMS is about `1/√max`).
-      owner: `(key path, Matrix, shape) -> Owners | None`, where each leaf's Newton–Schulz
-        runs (None: where its momentum lives; see `_orthogonalize`).
+      owner: `(key path, Matrix, shape) -> Owners | Pool | None`, where each leaf's
+        Newton–Schulz runs: on its own stack's owners (`_orthogonalize`), pooled with the
+        matrices of its shape (`_pooled`), or where its momentum lives (None).
     """
     dtype = ns_dtype or (jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
 
     def init(params):
         return MuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
 
-    def one(path, direction):
-        m = matrix(path, direction.shape)
-        out = _orthogonalize(direction, m, steps=ns_steps, dtype=dtype,
-                             owners=owner(path, m, direction.shape) if owner else None)
-        return out * (rms_scale * math.sqrt(max(m.fans(direction.shape))))
+    def orthogonalize(direction):
+        leaves, treedef = jax.tree.flatten_with_path(direction)
+        views = [matrix(path, x.shape) for path, x in leaves]
+        out, pools = [None] * len(leaves), {}
+        for i, ((path, x), m) in enumerate(zip(leaves, views)):
+            where = owner(path, m, x.shape) if owner else None
+            if isinstance(where, Pool):  # with every matrix of its shape and layout
+                stack = _stacked(x, m, where.flip)
+                key = (stack.shape[1:], where._replace(flip=False))
+                pools.setdefault(key, []).append((i, where.flip, stack))
+            else:
+                out[i] = _orthogonalize(x, m, steps=ns_steps, dtype=dtype, owners=where)
+        for (_, pool), members in pools.items():
+            done = _pooled([stack for *_, stack in members], pool, steps=ns_steps, dtype=dtype)
+            for (i, flip, _), stack in zip(members, done):
+                out[i] = _unstacked(stack, leaves[i][1], views[i], flip)
+        return treedef.unflatten([y * (rms_scale * math.sqrt(max(m.fans(y.shape))))
+                                  for y, m in zip(out, views)])
 
     def update(updates, state, params=None):
         del params
         momentum = jax.tree.map(lambda m, g: beta * m + g, state.momentum, updates)
         direction = (jax.tree.map(lambda m, g: g + beta * m, momentum, updates) if nesterov
                      else momentum)
-        return jax.tree.map_with_path(one, direction), MuonState(momentum)
+        return orthogonalize(direction), MuonState(momentum)
 
     return optax.GradientTransformation(init, update)
 
@@ -279,7 +347,7 @@ def muon(
         return matrix_of(path, shape, names.get(key_names(path)), adamw_params=adamw_params,
                          split_heads=split_heads)
 
-    def owner(path, m: Matrix, shape) -> Owners | None:
+    def owner(path, m: Matrix, shape) -> Owners | Pool | None:
         mesh = layout.mesh
         if mesh is None or placement == "sharded":
             return None
@@ -288,6 +356,12 @@ def muon(
         if not moved:  # whole matrices already: Newton–Schulz runs where they are
             return None
         splits = [math.prod(mesh.shape[a] for a in _split_axes(spec, (d,), mesh)) for d in m.batch]
+        if all(split == 1 for split in splits):  # nothing splits the stack: pool its matrices
+            rows, cols = (_split_axes(spec, dims, mesh) for dims in (m.reduction, m.output))
+            fan_in, fan_out = m.fans(shape)
+            flip = fan_in > fan_out or (fan_in == fan_out and bool(rows) and not cols)
+            return Pool(moved, mesh, placement == "auto", flip,
+                        (cols, rows) if flip else (rows, cols))
         found = owner_dim([shape[d] for d in m.batch], splits,
                           math.prod(mesh.shape[a] for a in moved))
         if found is None or (placement == "auto" and found[1] > 2 * shape[m.batch[found[0]]]):
