@@ -55,6 +55,7 @@ SMOKE      ?= tests/test_mesh.py tests/test_onebit.py tests/test_moe_parallel.py
               tests/test_muon.py::test_update_matches_a_float64_reference \
               "tests/test_muon.py::test_engine_matches_single_device[zero3_owner]" \
               "tests/test_muon.py::test_engine_matches_single_device[moe_expert2_zero3_owner]" \
+              tests/test_qk_clip.py \
               tests/test_gpu_suite.py
 test-jax-min: $(STAMP)
 	test -x $(VENV_MIN)/bin/python || $(PY) -m venv $(VENV_MIN)

@@ -315,6 +315,8 @@ CASES = {
                       "optimizer.params.placement=sharded"],
     "zero3_explicit": ["mesh.data=8", "zero_optimization.stage=3",
                        "zero_optimization.collectives=explicit"],
+    # tensor splits one side of the matrices, ZeRO-1 the other: each leaf to its own owners
+    "tensor2_zero1": ["mesh.data=4", "mesh.tensor=2", "zero_optimization.stage=1"],
     "pipe2": ["mesh.data=4", "mesh.pipe=2", "zero_optimization.stage=1",
               "pipeline.num_microbatches=2"],
     "offload_optimizer_host": ["mesh.data=8", "zero_optimization.stage=2",

@@ -67,7 +67,8 @@ def muon_cost(config: Any, *, layers: int, axes: tuple[str, ...], sizes: dict[st
     split, and the experts' also `expert`.
 
     Unless `sharded`, the matrices of stacks nothing splits (all but the experts under
-    `expert`) are pooled by shape, as the engine pools those of one shape and layout (ZeRO
+    `expert`, and with `tensor` beside ZeRO, which split both sides of a matrix) are pooled by
+    shape, as the engine pools those of one shape and layout (ZeRO
     splits the same side of each, up to a transpose), and each pool goes whole to the owners:
     `ceil` of its share of the pool each (`auto`: padded at most 2x), and the buffer of fp32
     momentum exchanged each way (an all-to-all's). An expert stack goes to its owners where
@@ -84,7 +85,8 @@ def muon_cost(config: Any, *, layers: int, axes: tuple[str, ...], sizes: dict[st
         k = math.prod(sizes[a] for a in axes if not (experts and a == "expert"))
         one = newton_schulz_flops(fan_in, fan_out, p.ns_steps)
         moves = k > 1 and p.placement != "sharded"
-        if moves and math.prod(splits) == 1:
+        # tensor parallelism beside ZeRO splits both sides of a matrix: no pool (see `muon`)
+        if moves and math.prod(splits) == 1 and not (sizes["tensor"] > 1 and len(axes) > 1):
             key = (min(fan_in, fan_out), max(fan_in, fan_out), k)
             pools[key] = pools.get(key, 0) + math.prod(stack)
             continue

@@ -356,10 +356,12 @@ def muon(
         if not moved:  # whole matrices already: Newton–Schulz runs where they are
             return None
         splits = [math.prod(mesh.shape[a] for a in _split_axes(spec, (d,), mesh)) for d in m.batch]
-        if all(split == 1 for split in splits):  # nothing splits the stack: pool its matrices
-            rows, cols = (_split_axes(spec, dims, mesh) for dims in (m.reduction, m.output))
+        rows, cols = (_split_axes(spec, dims, mesh) for dims in (m.reduction, m.output))
+        # nothing splits the stack: pool its matrices; not split on both sides (TP beside ZeRO),
+        # which XLA's partitioner concatenates only by replicating them
+        if all(split == 1 for split in splits) and not (rows and cols):
             fan_in, fan_out = m.fans(shape)
-            flip = fan_in > fan_out or (fan_in == fan_out and bool(rows) and not cols)
+            flip = fan_in > fan_out or (fan_in == fan_out and bool(rows))
             return Pool(moved, mesh, placement == "auto", flip,
                         (cols, rows) if flip else (rows, cols))
         found = owner_dim([shape[d] for d in m.batch], splits,

@@ -44,6 +44,9 @@ class TrainRecord(TypedDict, total=False):
     #: hardware FLOPs utilisation: the compiled step's FLOP/s per device over the peak; above
     #: `mfu` by the recomputed forward under remat
     hfu: NotRequired[float]
+    #: the largest attention logit of the step (`optimizer.params.qk_clip` set: QK-clip's
+    #: statistic, before the clip)
+    attn_logit_max: NotRequired[float]
     #: the digest of every global batch trained on up to this step, in order (16 hex digits,
     #: `jaxspeed.data.sample_digest`): equal in runs that trained on the same samples in the same
     #: order, on any number of processes, and across a resume
