@@ -165,3 +165,20 @@ def test_engine_clips_the_heads_past_the_threshold(case):
     # the first layer sees the same inputs: its clipped heads' largest logit is now the threshold
     after = _maxima(config, jax.device_get(state.params), batch)["layers/attn"]
     np.testing.assert_allclose(after[0], np.minimum(before[0], threshold), rtol=rho)
+
+
+def test_the_planner_counts_the_statistic():
+    """QK-clip's statistic is one more `q·kᵀ` per layer in the forward pass: 2·seq·d FLOPs a
+    token a layer in the planner's estimate."""
+    from jaxspeed.autoplan.cluster import load_cluster
+    from jaxspeed.autoplan.estimate import estimate
+    from jaxspeed.autoplan.space import from_config
+
+    cluster = load_cluster("8xh100-nvlink")
+    base = js.load_config("configs/gpt_tiny.yaml", overrides=["mesh.data=8", "optimizer.type=Muon"])
+    clipped = js.load_config(base, overrides=["optimizer.params.qk_clip=100"])
+    plan = from_config(base, {"data": 8})
+    m, seq = base.model, base.data.seq_len
+    tokens = plan.micro_batch * plan.accumulation * 8 * seq
+    extra = estimate(clipped, plan, cluster).flops - estimate(base, plan, cluster).flops
+    assert extra == pytest.approx(tokens * 2 * m.n_layers * seq * m.d_model / cluster.devices)

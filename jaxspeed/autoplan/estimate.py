@@ -50,6 +50,7 @@ from jaxspeed.autoplan.traffic import param_counts
 from jaxspeed.autoplan.space import ON_HOST, Candidate
 from jaxspeed.autoplan.update_cost import update_seconds
 from jaxspeed.config import Config
+from jaxspeed.config.optimizer import clips_logits
 from jaxspeed.cost.flops import layer_matmul_params
 from jaxspeed.ops.precision import compute_dtype
 
@@ -168,6 +169,8 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
     tokens_step = plan.micro_batch * plan.accumulation * s["data"] * s["expert"] * config.data.seq_len
     matmul_params = layer_matmul_params(m) + m.vocab_size * m.d_model  # a token's (top-k)
     attention = 12 * m.n_layers * config.data.seq_len * m.d_model  # per token: QK^T and PV, x3
+    if clips_logits(config.optimizer):  # QK-clip's statistic: one more QK^T, forward only
+        attention += 2 * m.n_layers * config.data.seq_len * m.d_model
     total_flops = tokens_step * (_FLOPS_PER_PARAM[plan.remat] * matmul_params + attention)
     flops = total_flops / cluster.devices
     # every micro-step reads the local weights twice (forward, backward) from memory: what

@@ -63,7 +63,10 @@ def bytes_per_param(optimizer_json: str, clipping: float, phase: str | None) -> 
     phases), per parameter, compiled on one CPU device."""
     from jaxspeed.optim.factory import build_optimizer  # optax and the optimizers: when priced
 
-    tx, _ = build_optimizer(SimpleNamespace(optimizer=json.loads(optimizer_json), scheduler=None,
+    optimizer = json.loads(optimizer_json)
+    # QK-clip scales two leaves a layer by the model's logit maxima, which stand-ins lack
+    optimizer.get("params", {}).pop("qk_clip", None)
+    tx, _ = build_optimizer(SimpleNamespace(optimizer=optimizer, scheduler=None,
                                             gradient_clipping=clipping))
     params = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in _STAND_IN]
     with jax.default_device(jax.local_devices(backend="cpu")[0]):

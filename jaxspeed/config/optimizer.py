@@ -208,6 +208,12 @@ class MuonParams(_OptimizerParams):
     qk_clip_alpha: Annotated[_Float, Field(ge=0, le=1)] = 0.5
 
 
+def clips_logits(optimizer) -> bool:
+    """Whether `optimizer` (an optimizer section) clips attention logits (Muon's `qk_clip`),
+    so that the model records them."""
+    return getattr(optimizer.params, "qk_clip", None) is not None
+
+
 AdamConfig = _typed("optimizer", "Adam", AdamParams)
 AdamWConfig = _typed("optimizer", "AdamW", AdamWParams)  # the default optimizer
 SGDConfig = _typed("optimizer", "SGD", SGDParams)

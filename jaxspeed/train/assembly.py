@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from jaxspeed.attention.sequence_parallel import check_length
 from jaxspeed.config import Config
-from jaxspeed.config.optimizer import ONEBIT_TYPES
+from jaxspeed.config.optimizer import ONEBIT_TYPES, clips_logits
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops import precision
 from jaxspeed.ops.fp8 import Fp8Recipe
@@ -36,7 +36,7 @@ def check_supported(config: Config) -> None:
     if config.mesh.pipe > 1:
         _refuse((("model.moe", config.model.moe is not None),
                  (f"optimizer.type={config.optimizer.type}", config.optimizer.type in ONEBIT_TYPES),
-                 ("optimizer.params.qk_clip", clips_logits(config))),
+                 ("optimizer.params.qk_clip", clips_logits(config.optimizer))),
                 f"pipeline parallelism (mesh.pipe={config.mesh.pipe})", "use mesh.pipe=1")
 
 
@@ -97,14 +97,8 @@ def reference_gpt(config: Config):
     return build_gpt(
         config.model, remat_policy=remat.policy, remat_names=remat.names,
         stream_layers=precision.compute_dtype(config) if stream else None,
-        fp8=fp8_recipe(config), record_logit_max=clips_logits(config),
+        fp8=fp8_recipe(config), record_logit_max=clips_logits(config.optimizer),
     )
-
-
-def clips_logits(config: Config) -> bool:
-    """Whether the optimizer clips attention logits (Muon's `qk_clip`), so that the model
-    records them."""
-    return getattr(config.optimizer.params, "qk_clip", None) is not None
 
 
 def fp8_recipe(config: Config) -> Fp8Recipe | None:
