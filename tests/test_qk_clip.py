@@ -4,6 +4,7 @@ and the engine on 8 devices clipping exactly the heads past the threshold."""
 import itertools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,17 +148,17 @@ def _maxima(config, params, batch):
 def test_engine_clips_the_heads_past_the_threshold(case):
     config = js.load_config(None, overrides=[*ENGINE, *CASES[case]])
     batch = TokenDataset.from_config(config.data, seed=0).batch(0, global_batch=16)
-    init = js.initialize(config).init(jax.random.key(0)).params
-    before = _maxima(config, jax.device_get(init), batch)["layers/attn"]  # [layers, heads]
+    init = nn.unbox(build_gpt(config.model).init(jax.random.key(0), batch["inputs"])["params"])
+    before = _maxima(config, init, batch)["layers/attn"]  # [layers, heads]
     threshold = float(np.median(before))  # half the heads clip
-    engine = js.initialize(js.load_config(None, overrides=[
-        *ENGINE, *CASES[case], f"optimizer.params.qk_clip={threshold}"]))
-    state, metrics = engine.train_step(engine.init(jax.random.key(0)), batch)
+    engine = js.initialize(js.load_config(config, overrides=[
+        f"optimizer.params.qk_clip={threshold}"]))
+    state, metrics = engine.train_step(engine.init(jax.random.key(0), params=init), batch)
 
     rho = gpt_rtol(tokens=16 * 32, d_model=64, d_ff=128, n_layers=2, vocab=256)
     np.testing.assert_allclose(metrics[LOGIT_MAX], before.max(), rtol=rho)
     scale = np.sqrt(np.minimum(1.0, threshold / before))
-    attn = jax.device_get(init)["layers"]["attn"]
+    attn = init["layers"]["attn"]
     got = jax.device_get(state.params)["layers"]["attn"]
     assert_close(got["query"], attn["query"] * scale[:, None, :, None], rtol=rho)
     assert_close(got["key"], attn["key"] * scale[:, None, :, None], rtol=rho)
