@@ -157,6 +157,13 @@ def test_config_defaults_are_the_functions():
     assert function["adamw_eps"].default == config.eps
 
 
+def test_example_config_is_muon_with_its_documented_keys():
+    config = js.load_config("configs/gpt_muon.yaml")
+    assert config.optimizer.type == "Muon" and config.optimizer.params.lr == 6e-3
+    assert config.optimizer.params.adamw_params == MuonParams().adamw_params
+    assert "configs/gpt_muon.yaml" in open("README.md").read()
+
+
 def test_config_reports_every_bad_param():
     with pytest.raises(ConfigError) as error:
         js.load_config({"optimizer": {"type": "muon", "params": {
