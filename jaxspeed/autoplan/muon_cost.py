@@ -4,8 +4,9 @@ its stack moves to the devices that own whole matrices and back.
 The engine (`jaxspeed.optim.muon`) runs the iterations on the devices that split the matrices'
 state (ZeRO 1-3, tensor parallelism), each on whole matrices pooled by shape (`owner`; `auto`
 unless that pads the pool over 2x), or where the state lives (`sharded`; every device iterates
-on all of them when nothing splits the state). This prices that choice for the planner: the FLOPs join the step's compute (`estimate`), the all-to-alls its
-traffic (`traffic.step_transfers`). `plan` reads both from the compiled step instead.
+on all of them when nothing splits the state). This prices that choice for the planner: the
+FLOPs join the step's compute (`estimate`), the all-to-alls its traffic
+(`traffic.step_transfers`). `plan` reads both from the compiled step instead.
 """
 
 from __future__ import annotations
@@ -68,10 +69,10 @@ def muon_cost(config: Any, *, layers: int, axes: tuple[str, ...], sizes: dict[st
 
     Unless `sharded`, the matrices of stacks nothing splits (all but the experts under
     `expert`, and with `tensor` beside ZeRO, which split both sides of a matrix) are pooled by
-    shape, as the engine pools those of one shape and layout (ZeRO
-    splits the same side of each, up to a transpose), and each pool goes whole to the owners:
-    `ceil` of its share of the pool each (`auto`: padded at most 2x), and the buffer of fp32
-    momentum exchanged each way (an all-to-all's). An expert stack goes to its owners where
+    shape, as the engine pools those of one shape and layout (ZeRO splits the same side of
+    each, up to a transpose), and each pool goes whole to the owners: `ceil` of its share of
+    the pool each (`auto`: padded at most 2x), and the buffer of fp32 momentum exchanged each
+    way (an all-to-all's). An expert stack goes to its owners where
     `owner_dim` finds a dimension, alike. Elsewhere the iteration runs where the state is: a
     share of the FLOPs as the state is split (XLA partitions the matmuls; their collectives
     are not priced here, `plan` counts them).
