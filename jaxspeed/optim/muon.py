@@ -233,8 +233,7 @@ def _pooled(stacks, pool: Pool, *, steps, dtype) -> list[jax.Array]:
         x = jnp.pad(x, [(0, size - count), (0, 0), (0, 0)])
         x = jax.lax.with_sharding_constraint(x, NamedSharding(pool.mesh, P(pool.axes)))
     out = newton_schulz(x.astype(dtype), steps).astype(x.dtype)
-    bounds = list(itertools.accumulate(s.shape[0] for s in stacks))
-    return [out[end - s.shape[0]:end] for s, end in zip(stacks, bounds)]
+    return jnp.split(out[:count], list(itertools.accumulate(s.shape[0] for s in stacks))[:-1])
 
 
 def scale_by_muon(

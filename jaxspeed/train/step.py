@@ -307,7 +307,7 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
         **extras,
     }
     if logit_max is not None:  # the step's largest attention logit
-        metrics[LOGIT_MAX] = jnp.max(jnp.stack([jnp.max(x) for x in jax.tree.leaves(logit_max)]))
+        metrics[LOGIT_MAX] = optax.tree.max(logit_max)
     if loss_scale is not None:
         loss_scale = precision.update_loss_scale(
             loss_scale, finite, **precision.loss_scale_options(spec.fp16)
