@@ -14,6 +14,7 @@ import pytest
 
 import jaxspeed as js
 from jaxspeed.autoplan import traffic
+from jaxspeed.autoplan.cluster import Link, PeakTflops, load_cluster, save_cluster
 from jaxspeed.autoplan.space import from_config
 from jaxspeed.config.optimizer import MuonParams
 from jaxspeed.cost import hlo
@@ -22,7 +23,9 @@ from jaxspeed.errors import ConfigError
 from jaxspeed.models import build_gpt
 from jaxspeed.ops.losses import lm_loss
 from jaxspeed.optim.muon import (NS_COEFFS, Layout, Matrix, layout_of, matrix_of, muon,
-                                 newton_schulz, newton_schulz_flops, owner_dim)
+                                 newton_schulz, owner_dim)
+from jaxspeed.optim.muon_price import Rates, newton_schulz_flops, owner_is_cheaper, seconds
+from test_engine import MESHES, STAGE_OVERRIDES, STAGES
 from numerics import (adam_params_atol, gpt_rtol, muon_params_atol, newton_schulz_gain,
                       program_rtol)
 
@@ -167,10 +170,13 @@ def test_example_config_is_muon_with_its_documented_keys():
 def test_config_reports_every_bad_param():
     with pytest.raises(ConfigError) as error:
         js.load_config({"optimizer": {"type": "muon", "params": {
-            "momentum": 1.0, "ns_steps": 0, "placement": "everywhere", "rms_scal": 0.2}}})
+            "momentum": 1.0, "ns_steps": 0, "placement": "everywhere", "rms_scal": 0.2,
+            "cluster": ""}}})
     message = str(error.value)
-    for key in ("momentum", "ns_steps", "placement", "rms_scal"):
+    for key in ("momentum", "ns_steps", "placement", "rms_scal", "cluster"):
         assert f"optimizer.params.{key}" in message, (key, message)
+    with pytest.raises(ConfigError, match=r"optimizer.params.cluster: unknown cluster preset"):
+        js.initialize(config("optimizer.params.cluster=8xh100"))
 
 
 # ------------------------------------------------------------------------ the engine, 8 devices
@@ -322,8 +328,6 @@ CASES = {
                       "optimizer.params.placement=sharded"],
     "zero3_explicit": ["mesh.data=8", "zero_optimization.stage=3",
                        "zero_optimization.collectives=explicit"],
-    # tensor splits one side of the matrices, ZeRO-1 the other: each leaf to its own owners
-    "tensor2_zero1": ["mesh.data=4", "mesh.tensor=2", "zero_optimization.stage=1"],
     "pipe2": ["mesh.data=4", "mesh.pipe=2", "zero_optimization.stage=1",
               "pipeline.num_microbatches=2"],
     "offload_optimizer_host": ["mesh.data=8", "zero_optimization.stage=2",
@@ -351,16 +355,41 @@ def test_the_comparison_tells_other_matrices_apart(dataset, single_device):
         _assert_params_close(state, single_device)
 
 
-def test_state_reshards_through_a_checkpoint(tmp_path, dataset, single_device):
-    """One step at ZeRO-3 on 8 devices, saved, restored at ZeRO-1 with tensor=2, one more."""
-    first = js.initialize(config(*CASES["zero3_owner"]))
-    batches = _batches(dataset)
-    state, losses = _run(first, first.init(jax.random.key(0)), batches[:1])
-    first.save(state, directory=tmp_path)
-    first.checkpointer(tmp_path).wait()
-    second = js.initialize(config("mesh.data=4", "mesh.tensor=2", "zero_optimization.stage=1"))
-    state, more = _run(second, second.restore(directory=tmp_path), batches[1:])
-    _assert_close_to_reference(state, losses + more, single_device)
+#: The parallel test grid (`test_engine`): each mesh at each ZeRO stage, in a ring. Each runs
+#: the first step from init and saves; the next restores that checkpoint (another mesh or stage)
+#: and runs the second step, so every entry also restores Muon's state resharded.
+GRID = [(mesh, stage) for mesh in MESHES for stage in STAGES]
+
+
+@pytest.fixture(scope="module")
+def grid_runs(tmp_path_factory, dataset):
+    """`{entry: (engine, restored state, state after step 2, [loss 1, loss 2])}`: loss 1 from
+    the entry before it in `GRID`, whose checkpoint the entry restored."""
+    batches, root = _batches(dataset), tmp_path_factory.mktemp("muon_grid")
+    engines = {entry: js.initialize(config(*MESHES[entry[0]], *STAGE_OVERRIDES[entry[1]]))
+               for entry in GRID}
+    first_losses = {}
+    for i, (entry, engine) in enumerate(engines.items()):
+        state, first_losses[entry] = _run(engine, engine.init(jax.random.key(0)), batches[:1])
+        engine.save(state, directory=root / str(i))
+        engine.checkpointer(root / str(i)).wait()
+    runs = {}
+    for i, (entry, engine) in enumerate(engines.items()):
+        restored = engine.restore(directory=root / str(i - 1 if i else len(GRID) - 1))
+        state, second = _run(engine, restored, batches[1:])
+        runs[entry] = engine, restored, state, first_losses[GRID[i - 1]] + second
+    return runs
+
+
+@pytest.mark.parametrize("entry", GRID, ids=[f"{m}-{s}" for m, s in GRID])
+def test_grid_matches_single_device_through_a_reshard(grid_runs, single_device, entry):
+    """Two steps on each mesh and stage of the grid, the state resharded through a checkpoint
+    in between (saved on the entry before): the restored state lives where this entry's plan
+    puts it, and the run equals single-device Muon."""
+    engine, restored, state, losses = grid_runs[entry]
+    for array, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(engine.state_shardings)):
+        assert array.sharding.is_equivalent_to(sharding, array.ndim)
+    _assert_close_to_reference(state, losses, single_device)
 
 
 def test_placement_shows_in_the_compiled_step():
@@ -380,23 +409,69 @@ def test_placement_shows_in_the_compiled_step():
     assert owner_collectives + 5 * 6 <= sharded_collectives  # >= 5 steps x 6 matrices fewer
 
 
-@pytest.mark.parametrize("case", ["zero3_owner", "moe_expert2_zero3_owner"])
-def test_the_byte_model_prices_the_moves_to_the_owners(case):
-    """`step_transfers` (what the planner prices) has Muon's all-to-all to the owners and back:
-    the bytes the compiled step's all-to-alls move beyond the same step's with `sharded`
-    placement (the MoE tokens' all-to-alls; the stacks are padded to the owners' count)."""
+def _owner_moves(*overrides):
+    """The engine of `overrides`, the bytes its compiled step's all-to-alls move beyond the same
+    step's with `sharded` placement (the MoE tokens' all-to-alls), and what `step_transfers`
+    (the planner) prices as Muon's all-to-all to the owners and back: `(names, bytes)`."""
     def all_to_all(*overrides):
         engine = js.initialize(config(*overrides))
         ops = hlo.collectives(engine.compile_train_step().as_text(), num_devices=8)
         return engine, sum(op.bytes * op.executions for op in ops if op.kind == "all-to-all")
 
-    engine, moved = all_to_all(*CASES[case])
-    _, without = all_to_all(*CASES[case], "optimizer.params.placement=sharded")
+    engine, moved = all_to_all(*overrides)
+    _, without = all_to_all(*overrides, "optimizer.params.placement=sharded")
     transfers = traffic.step_transfers(engine.config,
                                        from_config(engine.config, dict(engine.mesh.shape)))
     priced = [t for t in transfers if t.kind == "all-to-all"]
-    assert [t.name for t in priced] == ["muon.owners"]
-    assert priced[0].nbytes * priced[0].count == moved - without > 0
+    return moved - without, ([t.name for t in priced], sum(t.nbytes * t.count for t in priced))
+
+
+@pytest.mark.parametrize("case", ["zero3_owner", "moe_expert2_zero3_owner"])
+def test_the_byte_model_prices_the_moves_to_the_owners(case):
+    """The planner has Muon's all-to-all to the owners and back, the bytes the compiled step
+    moves (the stacks are padded to the owners' count)."""
+    moved, (names, priced) = _owner_moves(*CASES[case])
+    assert names == ["muon.owners"] and priced == moved > 0
+
+
+def test_seconds_and_the_choice_follow_the_rates():
+    """`seconds` by hand for 4 `[64, 128]` matrices padded to 8 owners, and `owner_is_cheaper`:
+    the padding rule without rates; an unpadded pool always (the same FLOPs, fewer bytes); a
+    padded one by the ratio of FLOP/s to bytes/s, the inter-host link's across hosts."""
+    f = newton_schulz_flops(64, 128)
+    assert f == 5 * (4 * 64 * 64 * 128 + 2 * 64**3)
+    price = dict(count=4, padded=8, owners=8, steps=5, flops=2.0, bandwidth=3.0)
+    assert seconds("owner", (64, 128), **price) == pytest.approx(f / 2 + 2 * 4 * 64 * 128 * 7 / 8 / 3)
+    assert seconds("sharded", (128, 64), **price) == pytest.approx(
+        4 * f / 8 / 2 + 5 * 4 * 2 * 4 * 64 * 64 * 7 / 8 / 3)
+    choice = dict(count=4, padded=8, owners=8, steps=5)
+    assert owner_is_cheaper((64, 128), **choice, rates=None)
+    assert not owner_is_cheaper((64, 128), count=3, padded=8, owners=8, steps=5, rates=None)
+    for flops, link in ((1e9, 1e9), (1e15, 1e9), (1e9, 1e15)):
+        assert owner_is_cheaper((64, 128), count=8, padded=8, owners=8, steps=5,
+                                rates=Rates(flops, link, link))
+    # sharded wins when FLOP/s over bytes/s is under 6,553,600 / 516,096 = 12.7
+    assert not owner_is_cheaper((64, 128), **choice, rates=Rates(12e9, 1e9, 1e15))
+    assert owner_is_cheaper((64, 128), **choice, rates=Rates(13e9, 1e9, 1e15))
+    assert owner_is_cheaper((64, 128), **choice, rates=Rates(12e9, 1e9, 1e8), across_hosts=True)
+
+
+def test_auto_places_each_pool_where_the_clusters_rates_price_it_cheaper(tmp_path):
+    """ZeRO-3 over 8, `auto`: at 8xh100-nvlink's rates (about 550 FLOPs per byte of link) both
+    pools of the tiny GPT go whole to their owners, as with `owner`. On a cluster of 1 GFLOP/s
+    and 1 GB/s the MLP pool (4 matrices padded to 8) iterates where it is, and only the 8
+    attention projections move. The compiled step's all-to-alls and the planner agree on each."""
+    preset = load_cluster("8xh100-nvlink")
+    slow = save_cluster(preset.model_copy(update={
+        "peak_tflops": PeakTflops(bf16=0.002, fp32=0.002), "intra_host": Link(bandwidth_gbps=1.0),
+    }), tmp_path / "slow.yaml")
+    zero3 = CASES["zero3_owner"][:2]
+    owner, _ = _owner_moves(*CASES["zero3_owner"])
+    fast, (_, fast_priced) = _owner_moves(*zero3, "optimizer.params.cluster=8xh100-nvlink")
+    moved, (_, priced) = _owner_moves(*zero3, f"optimizer.params.cluster={slow}")
+    assert fast == fast_priced == owner
+    attention = 2 * 4 * 64 * 64  # a device's one fp32 [64, 64] matrix, there and back
+    assert moved == priced == attention < owner
 
 
 def test_the_planner_counts_newton_schulz_flops():

@@ -2,9 +2,9 @@
 its stack moves to the devices that own whole matrices and back.
 
 The engine (`jaxspeed.optim.muon`) runs the iterations on the devices that split the matrices'
-state (ZeRO 1-3, tensor parallelism), each on whole matrices pooled by shape (`owner`; `auto`
-unless that pads the pool over 2x), or where the state lives (`sharded`; every device iterates
-on all of them when nothing splits the state). This prices that choice for the planner: the
+state (ZeRO 1-3, tensor parallelism), each on whole matrices pooled by shape (`owner`), or
+where the state lives (`sharded`; every device iterates on all of them when nothing splits the
+state), or (`auto`) whichever `jaxspeed.optim.muon_price` prices cheaper. This prices that choice for the planner: the
 FLOPs join the step's compute (`estimate`), the all-to-alls its traffic
 (`traffic.step_transfers`). `plan` reads both from the compiled step instead.
 """
@@ -14,7 +14,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxspeed.optim.muon import newton_schulz_flops, owner_dim
+from jaxspeed.autoplan.cluster import load_cluster
+from jaxspeed.optim.muon import owner_dim
+from jaxspeed.optim.muon_price import newton_schulz_flops, owner_is_cheaper, rates_of
+from jaxspeed.runtime.mesh import HOST
 
 
 def muon_matrices(model: Any, *, layers: int, split_heads: bool = False
@@ -71,13 +74,21 @@ def muon_cost(config: Any, *, layers: int, axes: tuple[str, ...], sizes: dict[st
     `expert`, and with `tensor` beside ZeRO, which split both sides of a matrix) are pooled by
     shape, as the engine pools those of one shape and layout (ZeRO splits the same side of
     each, up to a transpose), and each pool goes whole to the owners: `ceil` of its share of
-    the pool each (`auto`: padded at most 2x), and the buffer of fp32 momentum exchanged each
-    way (an all-to-all's). An expert stack goes to its owners where
-    `owner_dim` finds a dimension, alike. Elsewhere the iteration runs where the state is: a
-    share of the FLOPs as the state is split (XLA partitions the matmuls; their collectives
-    are not priced here, `plan` counts them).
+    the pool each, and the buffer of fp32 momentum exchanged each way (an all-to-all's). An
+    expert stack goes to its owners where `owner_dim` finds a dimension, alike. `auto` decides
+    each as the engine does (`owner_is_cheaper` at the rates of `optimizer.params.cluster`).
+    Elsewhere the iteration runs where the state is: a share of the FLOPs as the state is split
+    (XLA partitions the matmuls; their collectives are not priced here, `plan` counts them).
     """
     p = config.optimizer.params
+    rates = rates_of(load_cluster(p.cluster)) if p.cluster else None
+    across_hosts = HOST in axes
+
+    def owner(fans, count, padded, k):
+        return p.placement == "owner" or owner_is_cheaper(
+            fans, count=count, padded=padded, owners=k, steps=p.ns_steps, rates=rates,
+            across_hosts=across_hosts)
+
     flops = nbytes = 0.0
     pools: dict[tuple[int, int, int], int] = {}
     for stack, fan_in, fan_out, experts in muon_matrices(config.model, layers=layers,
@@ -92,17 +103,18 @@ def muon_cost(config: Any, *, layers: int, axes: tuple[str, ...], sizes: dict[st
             pools[key] = pools.get(key, 0) + math.prod(stack)
             continue
         found = owner_dim(stack, splits, k) if moves else None
-        if found is None or (p.placement == "auto" and found[1] > 2 * stack[found[0]]):
-            flops += math.prod(stack) * one / (k * math.prod(splits))
+        count = math.prod(stack) // math.prod(splits)
+        if found is None or not owner((fan_in, fan_out), count,
+                                      count * found[1] // stack[found[0]], k):
+            flops += count * one / k
             continue
-        dim, padded = found
-        share = padded * math.prod(stack) // stack[dim] // (k * math.prod(splits))
+        share = count * found[1] // stack[found[0]] // k
         flops += share * one
         nbytes += 4 * share * fan_in * fan_out
     for (rows, cols, k), count in pools.items():
         one = newton_schulz_flops(rows, cols, p.ns_steps)
         share = -(-count // k)
-        if p.placement == "auto" and share * k > 2 * count:
+        if not owner((rows, cols), count, share * k, k):
             flops += count * one / k
             continue
         flops += share * one

@@ -199,8 +199,12 @@ class MuonParams(_OptimizerParams):
     betas: _Betas = (0.9, 0.999)
     eps: _Float = 1e-8
     #: where each matrix's Newton–Schulz runs: on its owners (`owner`), where its momentum
-    #: lives (`sharded`), or `owner` for state split inside its matrices (`auto`)
+    #: lives (`sharded`), or per pool of matrices whichever `cluster`'s rates price cheaper
+    #: (`auto`; without a cluster, `owner` unless padding doubles the pool)
     placement: Literal["auto", "owner", "sharded"] = "auto"
+    #: a cluster preset or file (`jaxspeed plan --cluster`'s) whose matmul rate and links price
+    #: `placement: auto` (`jaxspeed.optim.muon_price`); null: the padding rule
+    cluster: Annotated[str, Field(strict=True, min_length=1)] | None = None
     #: MuonClip (Kimi K2): after each update, scale back the query/key projections of the
     #: attention heads whose largest logit passed this threshold (null: off)
     qk_clip: Annotated[_Float, Field(gt=0)] | None = None

@@ -23,8 +23,9 @@ back. The matrices of every leaf whose stack nothing splits are pooled by shape 
 (the q, k, v and out projections of every layer are one pool of `[d, d]` matrices), so the
 padding to a multiple of the owners is paid once per pool, not per leaf (`Pool`). A stack an
 axis splits already (the experts under `expert`) moves onto one of its own dimensions, padded
-(`Owners`). `auto` is `owner` unless the padding would be over half the owners' work; a leaf
-whose matrices are whole already iterates where it is.
+(`Owners`). `auto` picks, per pool and per leaf, the placement `jaxspeed.optim.muon_price`
+prices cheaper at the cluster's rates (without them: `owner` unless the padding would be over
+half the owners' work); a leaf whose matrices are whole already iterates where it is.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.config.optimizer import MUON_ADAMW_PARAMS as ADAMW_PARAMS
+from jaxspeed.optim.muon_price import Rates, owner_is_cheaper
 from jaxspeed.optim.qk_clip import qk_clip as clip_logits
+from jaxspeed.runtime.mesh import HOST
 from jaxspeed.sharding.leaves import LeafPlan
 from jaxspeed.tree_paths import key_names
 
@@ -129,13 +132,6 @@ def newton_schulz(x: jax.Array, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1
     return x.mT if tall else x
 
 
-def newton_schulz_flops(fan_in: int, fan_out: int, steps: int = 5) -> int:
-    """FLOPs of `newton_schulz` on one matrix: per step `X Xᵀ`, its square and the product
-    with `X`, on the wide orientation (`m <= n`): `4 m² n + 2 m³`."""
-    m, n = sorted((fan_in, fan_out))
-    return steps * (4 * m * m * n + 2 * m**3)
-
-
 def _axes(entry) -> tuple[str, ...]:
     """The mesh axes of one `PartitionSpec` entry."""
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
@@ -159,8 +155,7 @@ class Owners(NamedTuple):
 class Pool(NamedTuple):
     """Where the matrices of a stack nothing splits go whole: pooled with every other matrix of
     the same shape and layout, the pool padded to a multiple of the devices that split them
-    (the mesh `axes`) and spread over them. `auto`: not when padding would be over half the
-    owners' work.
+    (the mesh `axes`) and spread over them. `auto`: only where `owner_is_cheaper` at `rates`.
 
     Attributes:
       flip: the leaf's matrices are transposed into the pool (to be wide; a square one, to be
@@ -174,6 +169,7 @@ class Pool(NamedTuple):
     auto: bool
     flip: bool = False
     layout: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    rates: Rates | None = None
 
 
 def owner_dim(batch_sizes, batch_splits, owners: int) -> tuple[int, int] | None:
@@ -229,7 +225,9 @@ def _pooled(stacks, pool: Pool, *, steps, dtype) -> list[jax.Array]:
     x = jnp.concatenate(stacks)
     count, owners = x.shape[0], math.prod(pool.mesh.shape[a] for a in pool.axes)
     size = -(-count // owners) * owners
-    if not (pool.auto and size > 2 * count):
+    if not pool.auto or owner_is_cheaper(x.shape[1:], count=count, padded=size, owners=owners,
+                                         steps=steps, rates=pool.rates,
+                                         across_hosts=HOST in pool.axes):
         x = jnp.pad(x, [(0, size - count), (0, 0), (0, 0)])
         x = jax.lax.with_sharding_constraint(x, NamedSharding(pool.mesh, P(pool.axes)))
     out = newton_schulz(x.astype(dtype), steps).astype(x.dtype)
@@ -308,6 +306,7 @@ def muon(
     adamw_eps: float = 1e-8,
     adamw_weight_decay: float | None = None,
     placement: Placement = "auto",
+    rates: Rates | None = None,
     layout: Layout = Layout(),
     qk_clip: float | None = None,
     qk_clip_alpha: float = 0.5,
@@ -324,6 +323,8 @@ def muon(
       adamw_learning_rate, adamw_betas, adamw_eps: AdamW's (lr defaults to Muon's).
       adamw_weight_decay: AdamW's weight decay (None: `weight_decay`).
       placement: where each matrix's Newton–Schulz runs: `auto`, `owner` or `sharded`.
+      rates: what `auto` prices the two with (`jaxspeed.optim.muon_price`; None: the padding
+        rule).
       layout: the params' logical axes and optimizer-state shardings (`Layout`).
       qk_clip, qk_clip_alpha: MuonClip: `jaxspeed.optim.qk_clip.qk_clip(qk_clip,
         qk_clip_alpha)` after the update (None: off).
@@ -362,12 +363,17 @@ def muon(
             fan_in, fan_out = m.fans(shape)
             flip = fan_in > fan_out or (fan_in == fan_out and bool(rows))
             return Pool(moved, mesh, placement == "auto", flip,
-                        (cols, rows) if flip else (rows, cols))
-        found = owner_dim([shape[d] for d in m.batch], splits,
-                          math.prod(mesh.shape[a] for a in moved))
-        if found is None or (placement == "auto" and found[1] > 2 * shape[m.batch[found[0]]]):
-            return None  # auto: not when padding would be over half the owners' work
+                        (cols, rows) if flip else (rows, cols), rates)
+        k = math.prod(mesh.shape[a] for a in moved)
+        found = owner_dim([shape[d] for d in m.batch], splits, k)
+        if found is None:
+            return None
         dim = m.batch[found[0]]
+        count = math.prod(shape[d] for d in m.batch) // math.prod(splits)
+        if placement == "auto" and not owner_is_cheaper(
+                m.fans(shape), count=count, padded=count * found[1] // shape[dim], owners=k,
+                steps=ns_steps, rates=rates, across_hosts=HOST in moved):
+            return None
         entries = [None if d in m.reduction + m.output else (spec[d] if d < len(spec) else None)
                    for d in range(len(shape))]
         entries[dim] = _split_axes(spec, (dim,), mesh) + moved
