@@ -25,8 +25,8 @@
    case.
 
 `--quick` calibrates at `calibrate`'s small sizes (`QUICK`: rougher figures, seconds instead of
-minutes), measures 3 plans at a short sequence after one warm-up step each (two otherwise),
-lets `plan --auto` compile 2 plans instead of 40, and skips the scenarios (tests).
+minutes), measures 3 plans of 2 layers at a short sequence after one warm-up step each (two
+otherwise), lets `plan --auto` compile 2 plans instead of 40, and skips the scenarios (tests).
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def quality(args) -> list[dict]:
     from jaxspeed.config import load_config
 
     overrides = [f"train_batch_size={BATCH}", "train_micro_batch_size_per_device=null",
-                 "gradient_accumulation_steps=null", *(["data.seq_len=64", "data.max_bytes=400000"]
-                                                       if args.quick else [])]
+                 "gradient_accumulation_steps=null", *(["data.seq_len=64", "data.max_bytes=400000",
+                                                         "model.n_layers=2"] if args.quick else [])]
     config = load_config(CONFIG, overrides=overrides)
     cluster = calibrate(name="this-machine", **(QUICK if args.quick else {}))
     plans = [candidate(*p) for p in (QUICK_PLANS if args.quick else PLANS)]

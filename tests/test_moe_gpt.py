@@ -181,12 +181,13 @@ def test_balance_bias_refuses_a_one_bit_optimizer():
         js.initialize(config(*EP4, "model.moe.balance=bias", "optimizer.type=OneBitAdam"))
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_auto_reports_the_strategy_each_step_ran(stage, caplog):
+def test_auto_reports_the_strategy_each_step_ran(caplog):
     """`parallelism: auto` with dynamic capacity: each step's metrics say which strategy the
     MoE layer ran (`moe_auto_<strategy>`, 1 for the one that ran: one MoE layer here), one of
     those priced at compile time (one log line per capacity bucket); a fixed strategy reports
-    none."""
+    none. At ZeRO-3, whose step carries the metrics out of the sharded layers (ZeRO-0's plain
+    step is the simpler path, and compiling every bucket twice took 40 s)."""
+    stage = 3
     import logging
 
     from jaxspeed.moe.strategies import STRATEGIES

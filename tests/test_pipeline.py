@@ -260,9 +260,11 @@ def test_1f1b_activation_memory_is_bounded_by_stages():
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: Each schedule at 2, 4 and 8 stages, with as many microbatches as stages (the pipeline never
+#: full) and 4 times as many (the steady state dominates).
 SWEEP = [
     (schedule, pipe, factor * pipe, 2 if schedule == "interleaved" else 1)
-    for schedule, pipe, factor in itertools.product(SCHEDULES, (2, 4, 8), (1, 2, 4))
+    for schedule, pipe, factor in itertools.product(SCHEDULES, (2, 4, 8), (1, 4))
 ]
 
 
