@@ -34,8 +34,7 @@ from jaxspeed.optim import build_optimizer
 from jaxspeed.sharding import LeafPlan, Plan, plan_sharding
 from jaxspeed.sharding.rules import DEFAULT_RULES
 from jaxspeed.ops.offload import DEVICE, HOST, with_memory_kind
-from jaxspeed.train.onebit_step import onebit_train_step
-from jaxspeed.train.onebit_step import state_specs as onebit_state_specs
+from jaxspeed.train.onebit_step import onebit_train_step, state_specs as onebit_state_specs
 from jaxspeed.optim.factory import onebit_phases
 from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
 from jaxspeed.train.step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
@@ -64,6 +63,7 @@ class Engine:
         self.batch_sizes = resolve_batch(config, data_parallel_size(mesh))
         host_update = config.zero_optimization.offload_optimizer.update_on == "host"
         self.onebit_axes = onebit_axes(config, mesh)
+        self._returned = (None, 0)  # the state.step the last 1-bit step returned, its count
         self._streams = getattr(model, "stream_layers", None) is not None
         self.tx, self.schedule = build_optimizer(
             config, clip_outside=host_update, axis_name=self.onebit_axes, plan=plan)
@@ -256,10 +256,17 @@ class Engine:
         return _mesh_context(self.mesh, self.plan.rules)
 
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One optimizer step on a global batch (arrays, or host numpy to be sharded)."""
-        step = int(jax.device_get(state.step)) if self.onebit_axes else None
+        """One optimizer step on a global batch (arrays, or host numpy to be sharded). A 1-bit
+        phase reads the step count from `state` (a wait) unless the last step returned it."""
+        step = None
+        if self.onebit_axes:
+            returned, count = self._returned
+            step = count if state.step is returned else int(jax.device_get(state.step))
         with self._context():
-            return self._train[self._phase(step)](state, self.shard_batch(batch))
+            state, metrics = self._train[self._phase(step)](state, self.shard_batch(batch))
+        if step is not None:
+            self._returned = (state.step, step + 1)
+        return state, metrics
 
     def eval_step(self, state: TrainState, batch) -> dict[str, jax.Array]:
         """Mean loss on a global batch, without updating the state."""
@@ -295,11 +302,8 @@ class Engine:
         """FLOPs, the device's peak, and collective bytes per device of the compiled step."""
         device = self.mesh.devices.flat[0]
         return step_profile(
-            self.compile_train_step(),
-            flops=self.step_flops(),
-            num_devices=self.mesh.size,
-            device_kind=device.device_kind,
-            peak_tflops=self.config.hardware.peak_tflops,
+            self.compile_train_step(), flops=self.step_flops(), num_devices=self.mesh.size,
+            device_kind=device.device_kind, peak_tflops=self.config.hardware.peak_tflops,
             host_of=host_of_devices(self.mesh),
         )
 
@@ -385,11 +389,7 @@ def initialize(
         given = {**sample_batch, "targets": sample_batch["inputs"]}
     fns = model_fns(model, sample_inputs=sample_batch["inputs"], params=params, param_axes=param_axes)
     plan = plan_sharding(
-        fns.abstract_params,
-        fns.logical_axes,
-        mesh,
-        stage=zero.stage,
-        rules=rules,
+        fns.abstract_params, fns.logical_axes, mesh, stage=zero.stage, rules=rules,
         offload_optimizer=zero.offload_optimizer.device == "cpu",
         offload_params=zero.offload_param.device == "cpu",
         explicit_zero3=runs_explicit(config, mesh), host_major=host_major(config, mesh),
