@@ -78,6 +78,18 @@ def test_resume_mid_compression_is_bit_exact(tmp_path):
     chex.assert_trees_all_equal(resumed.opt_state, straight.opt_state)
 
 
+def test_a_returned_state_is_not_read_back_for_its_phase(monkeypatch):
+    """The phase of the state the last step returned comes from the host's count: one read
+    (the first state's) in 4 steps across the freeze, and one more for a state from elsewhere."""
+    engine = js.initialize(config(*ONEBIT, "optimizer.params={lr: 0.01, freeze_step: 2}"))
+    state, reads, device_get = engine.init(jax.random.key(0)), [], jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: reads.append(x) or device_get(x))
+    state, losses = run(engine, state, 0, 4)
+    assert len(reads) == 1
+    run(engine, jax.tree.map(lambda x: x.copy(), state), 4, 1)
+    assert len(reads) == 2 and np.all(np.isfinite(losses))
+
+
 def test_tensor_parallel_inside_a_data_shard():
     mesh = ["mesh.data=4", "mesh.tensor=2"]
     adam = js.initialize(config("optimizer.type=Adam", "optimizer.params={lr: 0.001}", *mesh))
