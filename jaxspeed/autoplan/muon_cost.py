@@ -4,9 +4,9 @@ its stack moves to the devices that own whole matrices and back.
 The engine (`jaxspeed.optim.muon`) runs the iterations on the devices that split the matrices'
 state (ZeRO 1-3, tensor parallelism), each on whole matrices pooled by shape (`owner`), or
 where the state lives (`sharded`; every device iterates on all of them when nothing splits the
-state), or (`auto`) whichever `jaxspeed.optim.muon_price` prices cheaper. This prices that choice for the planner: the
-FLOPs join the step's compute (`estimate`), the all-to-alls its traffic
-(`traffic.step_transfers`). `plan` reads both from the compiled step instead.
+state), or (`auto`) whichever `jaxspeed.optim.muon_price` prices cheaper. This prices that
+choice for the planner: the FLOPs join the step's compute (`estimate`), the all-to-alls its
+traffic (`traffic.step_transfers`). `plan` reads both from the compiled step instead.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxspeed.autoplan.cluster import load_cluster
 from jaxspeed.optim.muon import owner_dim
-from jaxspeed.optim.muon_price import newton_schulz_flops, owner_is_cheaper, rates_of
+from jaxspeed.optim.muon_price import cluster_rates, newton_schulz_flops, owner_is_cheaper
 from jaxspeed.runtime.mesh import HOST
 
 
@@ -81,7 +80,7 @@ def muon_cost(config: Any, *, layers: int, axes: tuple[str, ...], sizes: dict[st
     (XLA partitions the matmuls; their collectives are not priced here, `plan` counts them).
     """
     p = config.optimizer.params
-    rates = rates_of(load_cluster(p.cluster)) if p.cluster else None
+    rates = cluster_rates(p.cluster)
     across_hosts = HOST in axes
 
     def owner(fans, count, padded, k):

@@ -241,16 +241,8 @@ def _zero_one_adam(
 def _muon(p: MuonParams, lr: optax.ScalarOrSchedule, layout) -> optax.GradientTransformation:
     """Muon; AdamW's `adamw_lr` follows the same schedule, scaled by `adamw_lr / lr`."""
     from jaxspeed.optim.muon import Layout, muon
+    from jaxspeed.optim.muon_price import cluster_rates
 
-    rates = None
-    if p.cluster is not None:  # read only when a config names one
-        from jaxspeed.autoplan.cluster import load_cluster
-        from jaxspeed.optim.muon_price import rates_of
-
-        try:
-            rates = rates_of(load_cluster(p.cluster))
-        except ConfigError as err:
-            raise ConfigError(f"optimizer.params.cluster: {err}") from None
     adamw_lr = p.adamw_lr
     if adamw_lr is not None and callable(lr) and p.lr:
         adamw_lr = lambda step: lr(step) * (p.adamw_lr / p.lr)  # noqa: E731
@@ -259,7 +251,8 @@ def _muon(p: MuonParams, lr: optax.ScalarOrSchedule, layout) -> optax.GradientTr
         weight_decay=p.weight_decay, split_heads=p.split_heads, adamw_params=p.adamw_params,
         adamw_learning_rate=adamw_lr, adamw_betas=p.betas, adamw_eps=p.eps,
         adamw_weight_decay=p.adamw_weight_decay, placement=p.placement,
-        rates=rates, layout=layout or Layout(), qk_clip=p.qk_clip, qk_clip_alpha=p.qk_clip_alpha,
+        rates=cluster_rates(p.cluster), layout=layout or Layout(), qk_clip=p.qk_clip,
+        qk_clip_alpha=p.qk_clip_alpha,
     )
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from jaxspeed.errors import ConfigError
+
 
 class Rates(NamedTuple):
     """What one device's Newton–Schulz runs at.
@@ -38,6 +40,19 @@ def rates_of(cluster: Any) -> Rates:
     dtype = "bf16" if cluster.gpu else "float32"
     return Rates(cluster.peak_flops(dtype) * cluster.efficiency,
                  cluster.intra_host.bandwidth_gbps * 1e9, cluster.inter_host.bandwidth_gbps * 1e9)
+
+
+def cluster_rates(cluster: str | None) -> Rates | None:
+    """The `Rates` of the cluster preset or file `optimizer.params.cluster` names (None: none),
+    which price `placement: auto` in the engine and the planner alike."""
+    if cluster is None:
+        return None
+    from jaxspeed.autoplan.cluster import load_cluster  # read only when a config names one
+
+    try:
+        return rates_of(load_cluster(cluster))
+    except ConfigError as err:
+        raise ConfigError(f"optimizer.params.cluster: {err}") from None
 
 
 def newton_schulz_flops(fan_in: int, fan_out: int, steps: int = 5) -> int:
