@@ -196,9 +196,9 @@ def quality(args) -> list[dict]:
 
 
 def scenarios(args) -> list[dict]:
-    from jaxspeed.autoplan.cluster import load_cluster
     from jaxspeed.autoplan.search import search
     from jaxspeed.config import load_config
+    from jaxspeed.config.cluster import load_cluster
 
     out = []
     v100 = load_cluster("v100-32g-x800")

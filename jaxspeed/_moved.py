@@ -44,6 +44,7 @@ MOVED: dict[str, str] = {
     "jaxspeed.fit": "jaxspeed.cost.fit",
     "jaxspeed.plan_report": "jaxspeed.cost.report",
     "jaxspeed.sampling": "jaxspeed.models.sampling",
+    "jaxspeed.autoplan.cluster": "jaxspeed.config.cluster",
 }
 
 

@@ -1,6 +1,6 @@
 """A cluster file for the planner's tests: two hosts of four devices, gloo between them."""
 
-from jaxspeed.autoplan.cluster import Cluster, save_cluster
+from jaxspeed.config.cluster import Cluster, save_cluster
 
 
 def two_hosts(tmp_path, inter_gbps: float = 0.01):

@@ -6,10 +6,10 @@ import pytest
 import yaml
 
 import jaxspeed as js
-from jaxspeed.autoplan.cluster import load_cluster
 from jaxspeed.autoplan.search import search
 from jaxspeed.autoplan.space import meshes, why_no_plan
 from jaxspeed.cli import main
+from jaxspeed.config.cluster import load_cluster
 from jaxspeed.errors import ConfigError
 
 MODEL = {"vocab_size": 256, "d_model": 48, "n_layers": 6, "n_heads": 6, "d_ff": 192, "max_seq_len": 32}

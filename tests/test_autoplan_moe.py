@@ -8,12 +8,12 @@ import json
 import pytest
 
 from jaxspeed.autoplan import traffic
-from jaxspeed.autoplan.cluster import load_cluster
 from jaxspeed.autoplan.estimate import estimate
 from jaxspeed.autoplan.moe_exchange import exchange
 from jaxspeed.autoplan.space import from_config
 from jaxspeed.cli import main
 from jaxspeed.config import load_config
+from jaxspeed.config.cluster import load_cluster
 from jaxspeed.cost.flops import layer_matmul_params
 from clusters import two_hosts
 

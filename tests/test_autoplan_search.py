@@ -8,10 +8,10 @@ import yaml
 
 import jaxspeed as js
 from jaxspeed.autoplan.calibrate import QUICK, calibrate
-from jaxspeed.autoplan.cluster import load_cluster, save_cluster
 from jaxspeed.autoplan.search import NoPlanFits, compiled_cost, proxy_sizes, search
 from jaxspeed.autoplan.space import Candidate
 from jaxspeed.cli import main
+from jaxspeed.config.cluster import load_cluster, save_cluster
 from jaxspeed.cost.fit import engine_verdict
 from jaxspeed.runtime.mesh import CONFIG_AXES as AXES
 from jaxspeed.train.loop import train

@@ -92,8 +92,8 @@ def test_needs_a_global_batch():
 
 
 def test_analytic_estimate_follows_the_plan():
-    from jaxspeed.autoplan.cluster import load_cluster
     from jaxspeed.autoplan.estimate import estimate, param_counts
+    from jaxspeed.config.cluster import load_cluster
 
     config = js.load_config(None, overrides=BASE)
     cluster = load_cluster("8xh100-nvlink")

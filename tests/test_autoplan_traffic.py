@@ -12,11 +12,11 @@ import sys
 import pytest
 
 from jaxspeed.autoplan import comm, gloo, placement, traffic
-from jaxspeed.autoplan.cluster import Cluster, load_cluster, save_cluster
 from jaxspeed.autoplan.estimate import estimate, param_counts
 from jaxspeed.autoplan.predict import PREDICTED_KEYS, onebit_alternatives
 from jaxspeed.autoplan.space import from_config
 from jaxspeed.config import load_config
+from jaxspeed.config.cluster import Cluster, load_cluster, save_cluster
 from jaxspeed.train.zero_step import GLOO_BUCKET
 
 TINY = ["model.n_layers=2", "model.d_model=64", "model.d_ff=256", "data.seq_len=32",

@@ -8,7 +8,7 @@ import yaml
 
 from jaxspeed.autoplan import calibrate as calibrate_module
 from jaxspeed.autoplan.calibrate import QUICK, calibrate, main
-from jaxspeed.autoplan.cluster import (
+from jaxspeed.config.cluster import (
     PRESETS,
     Cluster,
     available_presets,

@@ -38,10 +38,6 @@ UPWARD: dict[tuple[str, str], str] = {
         "load_trained rebuilds a trained run's engine",
     ("jaxspeed.cost.fit", "jaxspeed.train.engine"):
         "fit compiles the changes it suggests through initialize",
-    ("jaxspeed.models.gpt", "jaxspeed.autoplan.cluster"):
-        "model.moe.cluster names a cluster file, read only when a config names one",
-    ("jaxspeed.optim.muon_price", "jaxspeed.autoplan.cluster"):
-        "Muon's optimizer.params.cluster names a cluster file, read only when a config names one",
     ("jaxspeed.moe.strategies", "jaxspeed.autoplan.comm"):
         "parallelism: auto prices the strategies with the planner's link model",
 }

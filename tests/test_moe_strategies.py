@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.autoplan.cluster import load_cluster
+from jaxspeed.config.cluster import load_cluster
 from jaxspeed.cost.hlo import collectives
 from jaxspeed.errors import ConfigError
 from jaxspeed.moe.all_to_all import within_host_all_to_all

@@ -14,8 +14,8 @@ import pytest
 
 import jaxspeed as js
 from jaxspeed.autoplan import traffic
-from jaxspeed.autoplan.cluster import Link, PeakTflops, load_cluster, save_cluster
 from jaxspeed.autoplan.space import from_config
+from jaxspeed.config.cluster import Link, PeakTflops, load_cluster, save_cluster
 from jaxspeed.config.optimizer import MuonParams
 from jaxspeed.cost import hlo
 from jaxspeed.data import TokenDataset
@@ -482,8 +482,8 @@ def test_the_planner_counts_newton_schulz_flops():
     """The estimate's FLOPs grow by the iteration's (`muon_cost`): ZeRO-3 over 8 spreads the
     6 layers' matrices over 8 owners, pooled by shape: the 24 `[256, 256]` projections 3 each,
     the 12 `[256, 1024]` MLP matrices padded to 16, 2 each; ZeRO-0 iterates on all of them."""
-    from jaxspeed.autoplan.cluster import load_cluster
     from jaxspeed.autoplan.estimate import estimate
+    from jaxspeed.config.cluster import load_cluster
 
     cluster = load_cluster("8xh100-nvlink")
     base = js.load_config("configs/gpt_tiny.yaml", overrides=["mesh.data=8"])

@@ -171,9 +171,9 @@ def test_engine_clips_the_heads_past_the_threshold(case):
 def test_the_planner_counts_the_statistic():
     """QK-clip's statistic is one more `q·kᵀ` per layer in the forward pass: 2·seq·d FLOPs a
     token a layer in the planner's estimate."""
-    from jaxspeed.autoplan.cluster import load_cluster
     from jaxspeed.autoplan.estimate import estimate
     from jaxspeed.autoplan.space import from_config
+    from jaxspeed.config.cluster import load_cluster
 
     cluster = load_cluster("8xh100-nvlink")
     base = js.load_config("configs/gpt_tiny.yaml", overrides=["mesh.data=8", "optimizer.type=Muon"])

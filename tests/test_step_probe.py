@@ -7,12 +7,12 @@ import pytest
 
 from jaxspeed.autoplan import calibrate as calibrate_module
 from jaxspeed.autoplan.calibrate import QUICK, calibrate, main
-from jaxspeed.autoplan.cluster import load_cluster
 from jaxspeed.autoplan.estimate import estimate
 from jaxspeed.autoplan.space import from_config
 from jaxspeed.autoplan.step_probe import probe_config, step_efficiency, step_probe
 from jaxspeed.cli import main as cli
 from jaxspeed.config import load_config
+from jaxspeed.config.cluster import load_cluster
 
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.d_ff=128", "model.n_heads=2",
          "data.seq_len=32", "model.max_seq_len=32"]

@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 
 from jaxspeed.autoplan import traffic
-from jaxspeed.autoplan.cluster import Cluster, UpdateBandwidth
 from jaxspeed.autoplan.estimate import estimate
 from jaxspeed.autoplan.space import from_config
 from jaxspeed.autoplan.update_cost import (
     COMPRESSED_PROBE, PLAIN_PROBE, phase_weights, update_probe, update_seconds,
 )
 from jaxspeed.config import load_config
+from jaxspeed.config.cluster import Cluster, UpdateBandwidth
 
 TINY = ["model.n_layers=2", "model.d_model=64", "model.d_ff=256", "data.seq_len=32",
         "model.max_seq_len=32", "train_batch_size=8", "mesh.data=4", "steps=40"]

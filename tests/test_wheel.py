@@ -7,8 +7,8 @@ import tomllib
 from pathlib import Path
 
 import jaxspeed
-from jaxspeed.autoplan.cluster import PRESETS, available_presets
 from jaxspeed.cli import main, run
+from jaxspeed.config.cluster import PRESETS, available_presets
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(jaxspeed.__file__).resolve().parent

@@ -28,7 +28,7 @@ WHEEL=$(ls "$WORK"/dist/jaxspeed-*.whl)
 "$PY" - "$WHEEL" <<'PYEOF'
 import sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
-need = {"jaxspeed/autoplan/clusters/8xh100-nvlink.yaml", "jaxspeed/gpu/targets/h100.textproto"}
+need = {"jaxspeed/config/clusters/8xh100-nvlink.yaml", "jaxspeed/gpu/targets/h100.textproto"}
 missing = sorted(need - names)
 sys.exit(f"test_wheel: the wheel lacks {missing}" if missing else 0)
 PYEOF
@@ -43,7 +43,7 @@ unset PYTHONPATH
 "$VPY" - "$ROOT" <<'PYEOF'
 import sys
 import jaxspeed
-from jaxspeed.autoplan.cluster import available_presets
+from jaxspeed.config.cluster import available_presets
 if jaxspeed.__file__.startswith(sys.argv[1] + "/"):
     sys.exit(f"test_wheel: jaxspeed was imported from the checkout ({jaxspeed.__file__})")
 assert "8xh100-nvlink" in available_presets(), available_presets()

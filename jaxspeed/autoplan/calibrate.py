@@ -22,10 +22,10 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.autoplan.cluster import Cluster, save_cluster
 from jaxspeed.autoplan.step_probe import probe_config, step_efficiency, step_probe
 from jaxspeed.autoplan.update_cost import COMPRESSED_PROBE, PLAIN_PROBE, update_probe
 from jaxspeed.config import Config
+from jaxspeed.config.cluster import Cluster, save_cluster
 from jaxspeed.errors import JaxspeedError
 from jaxspeed.runtime.distributed import over_gloo
 
@@ -249,7 +249,7 @@ def main(out: str | os.PathLike, *, model_source: str | None = None, **options: 
         f"Measured by jaxspeed calibrate on {len(devices)} {devices[0].platform} devices, "
         f"jax {jax.__version__}, options {sizes or 'default'}.\n"
         f"efficiency: {efficiency}.\n"
-        f"Load with jaxspeed.autoplan.cluster.load_cluster."
+        f"Load with jaxspeed.config.cluster.load_cluster."
     )
     save_cluster(cluster, Path(out), comment=comment)
     return cluster

@@ -44,7 +44,7 @@ ALGORITHMS = ("nccl", "gloo")
 
 
 class LinkSpeed(Protocol):
-    """What a link needs for costing; `jaxspeed.autoplan.cluster.Link` is one."""
+    """What a link needs for costing; `jaxspeed.config.cluster.Link` is one."""
 
     bandwidth_gbps: float  #: GB/s (1e9 bytes/s) one device sends while all send at once
     latency_us: float  #: one message hop

@@ -223,7 +223,7 @@ def search(
 
     Args:
       config: the run config; its model, data, optimizer and `train_batch_size` are kept.
-      cluster: a `jaxspeed.autoplan.cluster.Cluster`.
+      cluster: a `jaxspeed.config.cluster.Cluster`.
       top: plans to return.
       verify: how many of the analytically fastest to compile (0: analytic only).
       devices: devices to compile on (default `jax.devices()`).

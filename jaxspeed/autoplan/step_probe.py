@@ -23,11 +23,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxspeed.autoplan.cluster import Cluster
 from jaxspeed.autoplan.estimate import estimate
 from jaxspeed.autoplan.space import from_config
 from jaxspeed.autoplan.update_cost import replace_optimizer
 from jaxspeed.config import Config, load_config
+from jaxspeed.config.cluster import Cluster
 from jaxspeed.config.optimizer import ONEBIT_TYPES
 from jaxspeed.config.sizes import resolve_batch
 from jaxspeed.ops.precision import compute_dtype

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train_batch_size are kept)",
     )
     plan.add_argument("--cluster", default=None, metavar="NAME|FILE",
-                      help="a preset (jaxspeed/autoplan/clusters/) or a cluster YAML (`jaxspeed "
+                      help="a preset (jaxspeed/config/clusters/) or a cluster YAML (`jaxspeed "
                       "calibrate` writes one for this machine); a preset that names its GPU "
                       "implies --target and --devices")
     plan.add_argument(

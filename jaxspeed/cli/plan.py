@@ -35,7 +35,7 @@ def _gpu_target(args):
 
     cluster = None
     if args.cluster:
-        from jaxspeed.autoplan.cluster import load_cluster
+        from jaxspeed.config.cluster import load_cluster
 
         cluster = load_cluster(args.cluster)
     target = args.target or (cluster.gpu if cluster is not None else None)
@@ -72,7 +72,7 @@ def plan_command(args) -> int:
     target = _gpu_target(args)
     mesh, cluster = None, None
     if args.cluster:
-        from jaxspeed.autoplan.cluster import load_cluster
+        from jaxspeed.config.cluster import load_cluster
 
         cluster = load_cluster(args.cluster)
     devices = None
@@ -183,9 +183,9 @@ def _cluster_processes(config, cluster, devices):
 
 def _auto_plan(args) -> int:
     """`plan --auto`: prints the cluster's plans, ranked (`--apply`: writes the best)."""
-    from jaxspeed.autoplan.cluster import available_presets, load_cluster
     from jaxspeed.autoplan.report import format_table, to_dict, write_config
     from jaxspeed.autoplan.search import search
+    from jaxspeed.config.cluster import available_presets, load_cluster
     from jaxspeed.errors import JaxspeedError
 
     if args.cluster is None:

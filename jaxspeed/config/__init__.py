@@ -17,7 +17,9 @@ Modules:
 * `deepspeed`: the DeepSpeed key tables and `from_deepspeed`;
 * `deepspeed_auto`: DeepSpeed's (Hugging Face Trainer's) `"auto"` values, filled in;
 * `loading`: `load_config`, `apply_overrides`, and the one-`ConfigError` error messages;
-* `key_paths`: dotted key paths into nested dicts (used by `deepspeed` and `loading`).
+* `key_paths`: dotted key paths into nested dicts (used by `deepspeed` and `loading`);
+* `cluster`: the cluster a plan is searched for and Muon and MoE price with (`Cluster`,
+  `load_cluster`; the presets in `clusters/`), imported on its own, not from here.
 
 `model` imports the attention and MoE modules whose options it types (to check them with
 the layers' own rules); nothing in this package imports `models`, `train` or anything above.

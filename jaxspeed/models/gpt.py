@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspeed.attention.sparsity import SparsityConfig
+from jaxspeed.config.cluster import load_cluster
 from jaxspeed.config.loading import validate_section
 from jaxspeed.config.model import CONTEXT, SHAPES, ModelConfig, architecture_keys, moe_layer_options
 from jaxspeed.errors import ConfigError
@@ -336,7 +337,6 @@ def _moe_options(moe: Any, cfg: ModelConfig) -> dict[str, Any]:
     `parallelism: auto` prices."""
     options = moe_layer_options(moe, d_ff=cfg.d_ff, mlp=cfg.mlp)
     if isinstance(options.get("cluster"), str):
-        from jaxspeed.autoplan.cluster import load_cluster  # read only where a config names one
         from jaxspeed.moe.strategies import links_of
 
         options["cluster"] = links_of(load_cluster(options["cluster"]))

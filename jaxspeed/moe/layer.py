@@ -57,7 +57,7 @@ def _links(cluster: Any) -> Links | None:
         raise ConfigError(
             f"MoE.cluster={cluster!r} is a file or preset name, which the GPT's builder reads "
             f"(`model.moe.cluster`); a layer of your own takes its links: "
-            f"cluster=jaxspeed.moe.strategies.links_of(jaxspeed.autoplan.cluster."
+            f"cluster=jaxspeed.moe.strategies.links_of(jaxspeed.config.cluster."
             f"load_cluster({cluster!r}))")
     return cluster
 
@@ -201,7 +201,7 @@ class MoE(nn.Module):
         compile time; each step sows which one ran (`moe_auto_<strategy>`: 1 for the one
         that ran) into `STEP_METRICS`, which the engine logs. The same result.
       cluster: the links `parallelism="auto"` prices the strategies on: a cluster's
-        (`jaxspeed.moe.strategies.links_of(jaxspeed.autoplan.cluster.load_cluster(spec))`);
+        (`jaxspeed.moe.strategies.links_of(jaxspeed.config.cluster.load_cluster(spec))`);
         None: every byte costs the same. In a config, `model.moe.cluster` is a cluster file
         (`jaxspeed calibrate`'s output) or preset name, which the GPT's builder reads.
       z_loss_coef: coefficient of the router z-loss (ST-MoE).

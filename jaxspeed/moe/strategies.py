@@ -74,7 +74,7 @@ UNIFORM = Links(Link(1.0, 0.0), Link(1.0, 0.0))
 
 
 def links_of(cluster: Any) -> Links:
-    """The `Links` of a `jaxspeed.autoplan.cluster.Cluster` (what the GPT passes its MoE layers
+    """The `Links` of a `jaxspeed.config.cluster.Cluster` (what the GPT passes its MoE layers
     for `model.moe.cluster`, a file the model builder reads)."""
     link = lambda spec: Link(float(spec.bandwidth_gbps), float(spec.latency_us))  # noqa: E731
     return Links(link(cluster.intra_host), link(cluster.inter_host), cluster.collectives)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from jaxspeed.config.cluster import load_cluster
 from jaxspeed.errors import ConfigError
 
 
@@ -35,7 +36,7 @@ class Rates(NamedTuple):
 
 
 def rates_of(cluster: Any) -> Rates:
-    """The `Rates` of a `jaxspeed.autoplan.cluster.Cluster`: its matmul peak at its efficiency,
+    """The `Rates` of a `jaxspeed.config.cluster.Cluster`: its matmul peak at its efficiency,
     in the iteration's dtype (bf16 on a GPU cluster, float32 elsewhere), and its links."""
     dtype = "bf16" if cluster.gpu else "float32"
     return Rates(cluster.peak_flops(dtype) * cluster.efficiency,
@@ -47,8 +48,6 @@ def cluster_rates(cluster: str | None) -> Rates | None:
     which price `placement: auto` in the engine and the planner alike."""
     if cluster is None:
         return None
-    from jaxspeed.autoplan.cluster import load_cluster  # read only when a config names one
-
     try:
         return rates_of(load_cluster(cluster))
     except ConfigError as err:

@@ -1,9 +1,14 @@
 """The cluster an automatic plan is searched for: devices, memory, peak FLOP/s and links.
 
 A `Cluster` is data, read from YAML: a preset (`clusters/<name>.yaml` beside this module,
-shipped as package data) or any file (`load_cluster`), or measured on this machine (`jaxspeed.autoplan.calibrate`). Link figures are
-what one device gets while every device communicates at once, because that is what a collective
-over the whole mesh sees: a 10 GbE NIC shared by 8 GPUs is 1.25 / 8 GB/s per device.
+shipped as package data) or any file (`load_cluster`), or measured on this machine
+(`jaxspeed.autoplan.calibrate`). Link figures are what one device gets while every device
+communicates at once, because that is what a collective over the whole mesh sees: a 10 GbE NIC
+shared by 8 GPUs is 1.25 / 8 GB/s per device.
+
+It is a config section (beside `config`'s others, below `models` and `optim`), so the planner,
+the GPT's `model.moe.cluster` and Muon's `optimizer.params.cluster` all read it without
+importing upward; `jaxspeed.config` does not import it (`import jaxspeed.config.cluster`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from jaxspeed.config.schema import _Section
 from jaxspeed.config.units import parse_bytes
 from jaxspeed.errors import ConfigError, did_you_mean
 
-#: Folder of the preset clusters: package data (`jaxspeed/autoplan/clusters/`), so an installed
+#: Folder of the preset clusters: package data (`jaxspeed/config/clusters/`), so an installed
 #: wheel has them too. Installed packages are folders, so it is a `Path`.
 PRESETS = Path(str(resources.files(__package__) / "clusters"))
 
@@ -151,7 +156,7 @@ class Cluster(_Section):
 
 
 def available_presets() -> list[str]:
-    """Names of the preset clusters (`PRESETS`: `jaxspeed/autoplan/clusters/*.yaml`), sorted."""
+    """Names of the preset clusters (`PRESETS`: `jaxspeed/config/clusters/*.yaml`), sorted."""
     return sorted(path.stem for path in PRESETS.glob("*.yaml"))
 
 
