@@ -14,6 +14,7 @@ from typing import Any
 from jaxspeed.autoplan import traffic
 from jaxspeed.autoplan.estimate import Estimate, estimate
 from jaxspeed.autoplan.space import Candidate, from_config
+from jaxspeed.config.optimizer import ONEBIT_TYPES
 
 #: The keys of `predicted` that every `plan --cluster --json` has (seconds, tokens/s, bytes).
 PREDICTED_KEYS = ("step_seconds", "tokens_per_second", "cross_host_bytes", "compute_seconds",
@@ -50,7 +51,7 @@ def predict(config: Any, mesh_shape: dict[str, int], cluster: Any) -> dict[str, 
 
 
 def _phase_name(config: Any) -> str:
-    if config.optimizer.type not in traffic.ONEBIT:
+    if config.optimizer.type not in ONEBIT_TYPES:
         return "every step"
     full, onebit = traffic.exchange_fractions(config, config.optimizer.type)
     return ("compressed" if not full else "warm-up" if not onebit

@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from jaxspeed.config.optimizer import ZeroOneAdamParams
+from jaxspeed.config.optimizer import ONEBIT_TYPES, ZeroOneAdamParams
 from jaxspeed.cost.flops import expert_matmul_params
 from jaxspeed.ops.precision import compute_dtype
 from jaxspeed.ops.quantize import num_blocks
@@ -61,8 +61,6 @@ from jaxspeed.sharding.zero import HOST_MAJOR_AXES
 from jaxspeed.sharding.zero_layout import across_hosts_last
 from jaxspeed.train.zero_step import shard_order_is_host, switches_of
 
-#: The optimizers whose data-parallel exchange is the 1-bit compressed all-reduce.
-ONEBIT = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
 #: Adam-family optimizer → its 1-bit variants (what `plan --auto` reports beside it).
 ONEBIT_VARIANTS = {"Adam": ("OneBitAdam", "ZeroOneAdam"), "AdamW": ("OneBitAdam", "ZeroOneAdam"),
                    "Lamb": ("OneBitLamb",)}
@@ -149,7 +147,7 @@ def exchange_fractions(config: Any, optimizer: str, phase: str = "auto") -> tupl
       phase: "auto" (the second half of a run of `config.steps`, where throughput is measured
         after start-up, within the phase the run ends in), "warmup" or "compressed".
     """
-    if optimizer not in ONEBIT:
+    if optimizer not in ONEBIT_TYPES:
         return 1.0, 0.0
     if optimizer == "ZeroOneAdam":
         freeze = int(_param(config, "var_freeze_step", ZERO_ONE_DEFAULTS["var_freeze_step"]))

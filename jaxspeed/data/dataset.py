@@ -154,19 +154,13 @@ class TokenDataset:
 
     @classmethod
     def from_config(cls, data_cfg: Any, *, seed: int) -> TokenDataset:
-        """Loads the corpus named by a data config (`source`, `path`, `seq_len`,
-        `eval_fraction`, `max_bytes`; missing attributes take the defaults)."""
+        """Loads the corpus named by a data config (`jaxspeed.config.DataConfig`: its `source`,
+        `path`, `max_bytes`, `seq_len` and `eval_fraction`; the defaults are the config's)."""
         tokens = load_text_bytes(
-            source=getattr(data_cfg, "source", "stdlib"),
-            path=getattr(data_cfg, "path", None),
-            max_bytes=getattr(data_cfg, "max_bytes", 16_000_000),
+            source=data_cfg.source, path=data_cfg.path, max_bytes=data_cfg.max_bytes
         )
-        return cls(
-            tokens,
-            seq_len=getattr(data_cfg, "seq_len", 256),
-            eval_fraction=getattr(data_cfg, "eval_fraction", 0.05),
-            seed=seed,
-        )
+        return cls(tokens, seq_len=data_cfg.seq_len, eval_fraction=data_cfg.eval_fraction,
+                   seed=seed)
 
     @property
     def vocab_size(self) -> int:

@@ -62,9 +62,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxspeed.config.optimizer import ZeroOneAdamParams
 from jaxspeed.optim.compressed import AxisName, bound_axis_size, compressed_allreduce
 from jaxspeed.optim.compressed import error_feedback_sizes
 from jaxspeed.optim.onebit import PHASE_ARG, _check_error_buffers, _init_layout, _to_varying
+
+#: DeepSpeed's defaults of the schedule's knobs, declared once, by the config section.
+_DEEPSPEED = ZeroOneAdamParams.model_fields
 
 #: The update kinds, in `zero_one_phase`'s index order (pass one as `onebit_phase=`).
 VARIANCE = "variance"  # full-precision average of the gradients; both moments updated
@@ -144,8 +148,10 @@ class ZeroOneSchedule(NamedTuple):
                         xp.where(sync, 3, 2))
 
 
-def zero_one_phase(count: int, *, var_freeze_step: int, var_update_scaler: int = 16,
-                   local_step_scaler: int = 32678, local_step_clipper: int = 16) -> str:
+def zero_one_phase(count: int, *, var_freeze_step: int,
+                   var_update_scaler: int = _DEEPSPEED["var_update_scaler"].default,
+                   local_step_scaler: int = _DEEPSPEED["local_step_scaler"].default,
+                   local_step_clipper: int = _DEEPSPEED["local_step_clipper"].default) -> str:
     """The kind (`PHASES`) of the update that follows `count` applied updates."""
     schedule = ZeroOneSchedule.of(var_freeze_step, var_update_scaler, local_step_scaler,
                                   local_step_clipper)
@@ -182,10 +188,10 @@ def zero_one_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    var_freeze_step: int = 100000,
-    var_update_scaler: int = 16,
-    local_step_scaler: int = 32678,
-    local_step_clipper: int = 16,
+    var_freeze_step: int = _DEEPSPEED["var_freeze_step"].default,
+    var_update_scaler: int = _DEEPSPEED["var_update_scaler"].default,
+    local_step_scaler: int = _DEEPSPEED["local_step_scaler"].default,
+    local_step_clipper: int = _DEEPSPEED["local_step_clipper"].default,
     bias_correction: bool = True,
     axis_name: AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
