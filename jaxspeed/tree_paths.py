@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from jax.tree_util import keystr
+
 
 def key_names(path) -> tuple[str, ...]:
-    """`(DictKey('layers'), GetAttrKey('mu'), SequenceKey(0))` → `('layers', 'mu', '0')`."""
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    """`(DictKey('layers'), GetAttrKey('mu'), SequenceKey(0))` → `('layers', 'mu', '0')`: each
+    key as `jax.tree_util.keystr` writes it alone, for lookups by name or suffix. A path as one
+    string is `keystr(path, simple=True, separator=...)` itself."""
+    return tuple(keystr((key,), simple=True) for key in path)

@@ -21,7 +21,6 @@ import orbax.checkpoint as ocp
 from jaxspeed.checkpoint.orbax_noise import (
     failed_write, orphaned_reads_quiet, quiet_storage_errors, storage_reason, torn_file)
 from jaxspeed.errors import JaxspeedError
-from jaxspeed.tree_paths import key_names
 
 
 class CheckpointError(JaxspeedError):
@@ -106,7 +105,7 @@ def _saveable_abstract(abstract_state):
 
 def _dotted(path) -> str:
     """Orbax's leaf name for a key path: 'opt_state.0.mu.embedding'."""
-    return ".".join(key_names(path))
+    return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
 def _target_shapes(tree) -> dict[str, tuple]:

@@ -100,7 +100,7 @@ class MuonState(NamedTuple):
 
 def matrix_of(path, shape, names, *, adamw_params=ADAMW_PARAMS, split_heads=False) -> Matrix | None:
     """The matrix view of one leaf, or None for a leaf that AdamW updates."""
-    where = "/".join(key_names(path))
+    where = jax.tree_util.keystr(path, simple=True, separator="/")
     if any(fnmatch.fnmatchcase(where, pattern) for pattern in adamw_params):
         return None
     if names is None:

@@ -25,10 +25,9 @@ def _is_logical_leaf(x) -> bool:
 
 def path_str(path) -> str:
     """'layers/mlp/wi' for a key path; NNX's trailing `.value` is dropped."""
-    keys = list(key_names(path))
-    if len(keys) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and keys[-1] == "value":
-        keys.pop()
-    return "/".join(keys)
+    if len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
+    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 @dataclasses.dataclass(frozen=True)
