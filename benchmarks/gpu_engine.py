@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from pallas_kernels import _backend
+    from pallas_kernels import backend as _backend
 
     if not _backend.on_gpu() and not cpu_check:
         raise SystemExit(f"gpu_engine needs a GPU (JAX sees {jax.devices()}); `--cpu-check` "

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gpu_engine import matmul_peak
     from jaxspeed.cost.peaks import peak_flops
-    from pallas_kernels import _backend
+    from pallas_kernels import backend as _backend
 
     if not _backend.on_gpu():
         raise SystemExit(f"gpu_mfu needs a GPU (JAX sees {jax.devices()}); `--dry-run` "

@@ -184,7 +184,7 @@ def run_bandwidth(case: dict, *, iters: int, rounds: int, interpret: bool) -> di
     import jax.numpy as jnp
 
     from jaxspeed.moe import combine, dispatch
-    from pallas_kernels import _backend
+    from pallas_kernels import backend as _backend
     from pallas_kernels.moe_kernels import moe_combine, moe_dispatch
 
     x, routing, y = bandwidth_inputs(case, jnp.bfloat16)
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from pallas_kernels import _backend
+    from pallas_kernels import backend as _backend
 
     on_gpu = _backend.on_gpu()
     if not on_gpu and not cpu_check:

@@ -68,7 +68,7 @@ def attention_fns(layout, *, interpret):
     Hopper, of the Triton kernel that the Mosaic GPU one replaces there."""
     import jax
 
-    from pallas_kernels import _backend
+    from pallas_kernels import backend as _backend
     from pallas_kernels.block_sparse_attention import block_sparse_attention
 
     def sparse(q, k, v):
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from pallas_kernels import _backend
+    from pallas_kernels import backend as _backend
 
     on_gpu = _backend.on_gpu()
     if not on_gpu and not args.quick:

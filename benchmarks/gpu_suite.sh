@@ -93,7 +93,7 @@ import sys
 try:
     import chex, jax, pytest  # noqa: F401
     import jaxspeed.train.engine, jaxspeed.train.loop  # noqa: F401
-    from pallas_kernels._backend import on_gpu
+    from pallas_kernels.backend import on_gpu
 except ModuleNotFoundError as err:
     sys.exit(f"gpu_suite.sh: Python module {err.name!r} is missing for {sys.executable}; "
              "carry its wheels and put them on PYTHONPATH (see the device tool's notes)")

@@ -45,6 +45,8 @@ MOVED: dict[str, str] = {
     "jaxspeed.plan_report": "jaxspeed.cost.report",
     "jaxspeed.sampling": "jaxspeed.models.sampling",
     "jaxspeed.autoplan.cluster": "jaxspeed.config.cluster",
+    # the kernels' backend check, public now (it was private, but five jaxspeed packages used it)
+    "pallas_kernels._backend": "pallas_kernels.backend",
 }
 
 

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _backend
+from pallas_kernels import backend as _backend
 from pallas_kernels._shapes import out_like
 from pallas_kernels._sparse_shared import MASK_VALUE, differentiable, layout_tables
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _backend
+from pallas_kernels import backend as _backend
 from pallas_kernels._moe_shared import check_routing, differentiable_ops, pad_to, slot_table
 from pallas_kernels._shapes import out_like
 

@@ -29,7 +29,7 @@ def compile_for_gpu(fn, *args, target: str = "h100"):
     """`jax.jit(fn)` for `args` (arrays or `ShapeDtypeStruct`s), compiled for one `target` GPU.
 
     The device is the default device while tracing, so kernels that pick their backend from
-    the device compiled for (`pallas_kernels._backend`) pick the GPU's.
+    the device compiled for (`pallas_kernels.backend`) pick the GPU's.
     """
     with jax.default_device(gpu_device(target)):
         return jax.jit(fn).lower(*args).compile()

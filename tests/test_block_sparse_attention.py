@@ -21,7 +21,7 @@ from numerics import assert_close, mixed_rtol, program_rtol
 from jaxspeed.attention import sparsity
 from jaxspeed.attention.block_sparse import (_kernel_takes, block_sparse_attention, dense_reference,
                                              expand_layout)
-from pallas_kernels._backend import on_gpu
+from pallas_kernels.backend import on_gpu
 from pallas_kernels.block_sparse_attention import block_sparse_attention as pallas_attention
 from pallas_kernels.block_sparse_attention import check_layout, layout_tables
 

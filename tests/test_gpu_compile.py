@@ -21,7 +21,7 @@ from jaxspeed.train.engine import initialize
 from jaxspeed.errors import JaxspeedError
 from jaxspeed.gpu import deviceless, targets
 from jaxspeed.runtime.mesh import make_mesh
-from pallas_kernels import _backend
+from pallas_kernels import backend as _backend
 
 CONFIGS = ("gpt_zero3", "gpt_tp2_zero3", "gpt_3d", "gpt_moe", "gpt_sparse", "gpt_long")
 TINY = {

@@ -20,7 +20,7 @@ from jaxspeed.moe.dispatch import combine, dispatch
 from jaxspeed.moe.gating import Routing
 from numerics import assert_close, mixed_rtol, sum_rtol
 from pallas_kernels import moe_kernels as kernels
-from pallas_kernels._backend import MOSAIC_GPU, kernel_backend
+from pallas_kernels.backend import MOSAIC_GPU, kernel_backend
 
 
 def fill_slots(expert_index, num_experts):

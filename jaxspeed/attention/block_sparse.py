@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspeed.attention.blocked import blocked_attention
-from pallas_kernels._backend import MOSAIC_GPU, kernel_backend, on_gpu
+from pallas_kernels.backend import MOSAIC_GPU, kernel_backend, on_gpu
 from pallas_kernels.block_sparse_attention import block_sparse_attention as _pallas_attention
 from pallas_kernels.block_sparse_attention import check_layout
 

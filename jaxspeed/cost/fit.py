@@ -18,7 +18,7 @@ import jax
 from jaxspeed.config import BatchSizes, Config, load_config
 from jaxspeed.errors import JaxspeedError
 from jaxspeed.sharding.explain import format_bytes
-from pallas_kernels._backend import is_cpu
+from pallas_kernels.backend import is_cpu
 
 #: Activation-checkpointing policies from least to most recompute.
 _REMAT_ORDER = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")

@@ -12,7 +12,7 @@ from jaxspeed.attention.block_sparse import causal_attention as kernel_causal_at
 from jaxspeed.attention.blocked import blocked_attention
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops import matmul
-from pallas_kernels._backend import on_gpu
+from pallas_kernels.backend import on_gpu
 
 Array = jax.Array
 

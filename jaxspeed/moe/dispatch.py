@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxspeed.moe.gating import Routing
 from jaxspeed.sharding.vma import vary_alike
 from pallas_kernels import moe_kernels as kernels
-from pallas_kernels._backend import on_gpu
+from pallas_kernels.backend import on_gpu
 
 IMPLS = ("auto", "pallas", "xla")
 

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.errors import JaxspeedError
-from pallas_kernels._backend import is_cpu
+from pallas_kernels.backend import is_cpu
 
 ENV = "JAXSPEED_CPU_BF16_MATMUL"
 CHOICES = ("auto", "native", "widen")
