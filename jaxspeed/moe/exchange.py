@@ -9,7 +9,6 @@ calls it per device.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +21,9 @@ from jaxspeed.moe.experts import ExpertParams
 from jaxspeed.moe.expert_tensor import Whole, split_ffn
 from jaxspeed.moe.gating import Routing
 from jaxspeed.moe.host_tokens import exchange_tokens
+from jaxspeed.moe.options import GatingOptions
 from jaxspeed.moe.strategies import choose, layer_sizes, tokens_cross
 from jaxspeed.sharding.two_level import gather_across_hosts
-
-if TYPE_CHECKING:
-    from jaxspeed.moe.parallel import GatingOptions
 
 
 def exchange(x, routing: Routing, experts: ExpertParams, *, groups: int, opts: GatingOptions,

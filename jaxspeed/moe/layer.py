@@ -30,7 +30,8 @@ from jaxspeed.moe.balance import BIAS_PARAM
 from jaxspeed.moe.expert_choice import ROUTINGS
 from jaxspeed.moe.experts import ACTIVATIONS, ExpertParams, expert_ffn
 from jaxspeed.moe.gating import NOISY_GATE_POLICIES
-from jaxspeed.moe.parallel import GatingOptions, moe_ffn
+from jaxspeed.moe.options import GatingOptions
+from jaxspeed.moe.parallel import moe_ffn
 from jaxspeed.moe.strategies import PARALLELISMS, STRATEGIES, Links
 
 #: Flax collection of routing metrics: "dropped_fraction", "expert_counts", "balance_loss"
