@@ -45,6 +45,9 @@ MOVED: dict[str, str] = {
     "jaxspeed.plan_report": "jaxspeed.cost.report",
     "jaxspeed.sampling": "jaxspeed.models.sampling",
     "jaxspeed.autoplan.cluster": "jaxspeed.config.cluster",
+    # the link model, below autoplan now so that moe.strategies prices with it downward
+    "jaxspeed.autoplan.gloo": "jaxspeed.network.gloo",
+    "jaxspeed.autoplan.placement": "jaxspeed.network.placement",
     # the kernels' backend check, public now (it was private, but five jaxspeed packages used it)
     "pallas_kernels._backend": "pallas_kernels.backend",
 }

@@ -10,10 +10,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspeed.autoplan.comm import (
-    collective_seconds, collective_time, hosts_spanned, step_comm_seconds,
-)
-from jaxspeed.autoplan.placement import group_axes
+from jaxspeed.autoplan.comm import step_comm_seconds
+from jaxspeed.network.collectives import collective_time, hosts_spanned
+from jaxspeed.network.links import collective_seconds
+from jaxspeed.network.placement import group_axes
 from jaxspeed.runtime.mesh import AXES, make_mesh
 from jaxspeed.cost.hlo import Collective, collectives
 

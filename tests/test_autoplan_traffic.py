@@ -11,12 +11,14 @@ import sys
 
 import pytest
 
-from jaxspeed.autoplan import comm, gloo, placement, traffic
+from jaxspeed.autoplan import traffic
 from jaxspeed.autoplan.estimate import estimate, param_counts
 from jaxspeed.autoplan.predict import PREDICTED_KEYS, onebit_alternatives
 from jaxspeed.autoplan.space import from_config
 from jaxspeed.config import load_config
 from jaxspeed.config.cluster import Cluster, load_cluster, save_cluster
+from jaxspeed.network import gloo, placement
+from jaxspeed.network import links as comm  # collective_seconds
 from jaxspeed.train.zero_step import GLOO_BUCKET
 
 TINY = ["model.n_layers=2", "model.d_model=64", "model.d_ff=256", "data.seq_len=32",
@@ -167,7 +169,7 @@ def test_gloo_reduce_scatters_in_pieces_and_quantized_collectives_in_pairs():
 
 
 def test_zero0_bytes_match_the_compiled_step_on_two_emulated_hosts():
-    from jaxspeed.autoplan.placement import group_axes
+    from jaxspeed.network.placement import group_axes
     from jaxspeed.cost.hlo import collectives
     from jaxspeed.train.engine import initialize
 

@@ -30,7 +30,7 @@ LONG_MODULES: dict[str, str] = {
 #: The README's Architecture table, top row first: a package imports only from rows below it.
 ARCHITECTURE = (("cli",), ("autoplan",), ("train",), ("checkpoint",), ("cost",), ("models",),
                 ("optim",), ("config",), ("attention", "moe", "pipeline"), ("sharding",),
-                ("data",), ("ops",), ("runtime", "gpu"), ("errors", "tree_paths"))
+                ("data",), ("network",), ("ops",), ("runtime", "gpu"), ("errors", "tree_paths"))
 #: Imports that run up the table, each inside a function (never at import time), and why:
 #: {(importer, imported): reason}.
 UPWARD: dict[tuple[str, str], str] = {
@@ -38,8 +38,6 @@ UPWARD: dict[tuple[str, str], str] = {
         "load_trained rebuilds a trained run's engine",
     ("jaxspeed.cost.fit", "jaxspeed.train.engine"):
         "fit compiles the changes it suggests through initialize",
-    ("jaxspeed.moe.strategies", "jaxspeed.autoplan.comm"):
-        "parallelism: auto prices the strategies with the planner's link model",
 }
 
 

@@ -204,7 +204,7 @@ def _pieces(floats: int, peers: int) -> tuple[int, int]:
     `peers` between hosts: pieces of at most `PIECE`. Gloo sends a device's share as one
     message; over a 100 Mbit/s tbf link one of 8 MiB gave 5.85, 5.86 and 4.90 MB/s a device
     in three calibrations (one TCP stream: 6.04), and a message past about a MiB can lose
-    throughput there (`jaxspeed.autoplan.gloo`), while a step's messages are at most that."""
+    throughput there (`jaxspeed.network.gloo`), while a step's messages are at most that."""
     share = max(1, round(floats / peers))
     pieces = -(-share // PIECE)
     return -(-share // pieces), pieces

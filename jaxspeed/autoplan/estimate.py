@@ -27,7 +27,7 @@ no more (every figure per device, per optimizer step):
   a MoE layer's strategy moves over the expert axis (`jaxspeed.autoplan.moe_exchange`),
   Ulysses' 8 all-to-alls per layer and the pipeline's activation hand-offs. Each collective
   is costed on the links its groups cross, by the cluster's collective algorithms
-  (`jaxspeed.autoplan.comm`: `nccl` hierarchical, `gloo` flat), with `host` split off `data`
+  (`jaxspeed.network.collectives`: `nccl` hierarchical, `gloo` flat), with `host` split off `data`
   as the two-level mesh does (`traffic.mesh_sizes`).
 - **Host copies.** Per step, over the cluster's `host_link`: with offload, the gradient shard
   to the host and the updated param shard back (with parameter offload, the compute-dtype
@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxspeed.autoplan import comm, moe_exchange, traffic
+from jaxspeed.autoplan import moe_exchange, traffic
 from jaxspeed.autoplan.muon_cost import muon_cost, muon_owners
 from jaxspeed.autoplan.traffic import param_counts
 from jaxspeed.autoplan.space import ON_HOST, Candidate
@@ -52,6 +52,8 @@ from jaxspeed.autoplan.update_cost import update_seconds
 from jaxspeed.config import Config
 from jaxspeed.config.optimizer import clips_logits
 from jaxspeed.cost.flops import layer_matmul_params
+from jaxspeed.network.collectives import collective_time, host_egress_bytes, hosts_spanned
+from jaxspeed.network.placement import ordered_groups
 from jaxspeed.ops.precision import compute_dtype
 
 #: Activation bytes a layer keeps per token, in units of d_model x compute-dtype bytes, by
@@ -89,7 +91,7 @@ class Estimate:
     bubble: float  #: the pipeline's idle fraction
     step_s: float
     comm_by_kind: dict[str, float]
-    #: bytes the busiest host sends to other hosts per step (`comm.host_egress_bytes`)
+    #: bytes the busiest host sends to other hosts per step (`host_egress_bytes`)
     cross_host_bytes: float = 0.0
     tokens: int = 0  #: tokens per step
 
@@ -200,13 +202,13 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
         axes = tuple(a for a in axes if mesh.get(a, 1) > 1)
         if not axes or nbytes <= 0 or times <= 0:
             return
-        seconds = comm.collective_time(
+        seconds = collective_time(
             kind, nbytes, axes, mesh, devices_per_host=per_host,
             intra=cluster.intra_host, inter=cluster.inter_host, algorithm=how,
         )
         by_kind[kind] = by_kind.get(kind, 0.0) + seconds * times
-        cross_host += times * comm.host_egress_bytes(
-            kind, nbytes, comm.ordered_groups(axes, mesh), per_host, how)
+        cross_host += times * host_egress_bytes(
+            kind, nbytes, ordered_groups(axes, mesh), per_host, how)
 
     # Over gloo, the explicit ZeRO-3 step gathers and reduce-scatters over an axis that spans
     # processes with no `host` axis naming them in two stages, across the hosts and inside
@@ -214,7 +216,7 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
     staged = algorithm == "gloo" and sizes["host"] == 1
     for t in traffic.step_transfers(config, plan, hosts=sizes["host"], optimizer=optimizer,
                                     phase=phase, gloo=algorithm == "gloo"):
-        two = staged and t.name.startswith("zero3.") and comm.hosts_spanned(
+        two = staged and t.name.startswith("zero3.") and hosts_spanned(
             [a for a in t.axes if sizes[a] > 1], sizes, cluster.devices_per_host)[0] > 1
         cost(t.kind, t.nbytes, t.axes, t.count, how="nccl" if two else algorithm)
     micro_steps = plan.accumulation

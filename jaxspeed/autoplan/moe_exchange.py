@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from jaxspeed.autoplan import comm
 from jaxspeed.cost.flops import expert_matmul_params
 from jaxspeed.moe.gating import compute_capacity
 from jaxspeed.moe.strategies import (
     cheapest, exchange_mesh, layer_sizes, links_of, per_host, strategy_collectives)
+from jaxspeed.network.collectives import hosts_spanned
 from jaxspeed.ops.precision import compute_dtype
 from jaxspeed.runtime.mesh import EXPERT, SEQUENCE, TENSOR
 
@@ -44,7 +44,7 @@ def exchange(config: Any, plan: Any, sizes: dict[str, int], cluster: Any) -> Exc
     if not m.moe or ep == 1:
         return None
     moe, itemsize = m.moe, compute_dtype(config).itemsize
-    hosts = moe.a2a_hosts or comm.hosts_spanned((EXPERT,), sizes, cluster.devices_per_host)[0]
+    hosts = moe.a2a_hosts or hosts_spanned((EXPERT,), sizes, cluster.devices_per_host)[0]
     tokens = plan.micro_batch * config.data.seq_len // sizes[SEQUENCE]
     slots = compute_capacity(tokens, moe.num_experts, k=moe.k, capacity_factor=moe.capacity_factor,
                              min_capacity=moe.min_capacity) if moe.drop_tokens else tokens

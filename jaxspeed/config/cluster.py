@@ -123,7 +123,7 @@ class Cluster(_Section):
     #: the GPU model (`jaxspeed.gpu.targets`: h100, h200, a100), which `jaxspeed plan` compiles
     #: for without a GPU; None for a cluster jaxspeed has no target for (or a calibrated CPU)
     gpu: Annotated[str | None, BeforeValidator(_check_gpu)] = None
-    #: the algorithms of the library that runs the collectives (`jaxspeed.autoplan.comm`):
+    #: the algorithms of the library that runs the collectives (`jaxspeed.network.collectives`):
     #: `nccl`, hierarchical across hosts (GPU clusters); `gloo`, flat rings, recursive
     #: halving and direct all-to-all in rank order (XLA:CPU across processes; `calibrate`
     #: writes it when it measures across processes)

@@ -149,7 +149,7 @@ class ZeroConfig(_Section):
     #: second copy of every gathered weight or every fp32 gradient at once. `auto`: 2**18
     #: (1 MiB of fp32) where the collectives run over gloo (CPU devices in several
     #: processes), whose reduce-scatter sends each peer its share as one message that a slow
-    #: TCP link moves below its rate past about a MiB (`jaxspeed.autoplan.gloo`); else 2**22
+    #: TCP link moves below its rate past about a MiB (`jaxspeed.network.gloo`); else 2**22
     #: (`jaxspeed.train.zero_step.RUN_BUCKET`).
     max_reduce_scatter_elements: _PositiveInt | Literal["auto"] = "auto"
     #: Stage 3 with explicit collectives: the order of ZeRO's shards over the hosts and the

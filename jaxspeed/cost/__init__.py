@@ -4,14 +4,15 @@ Owns the HLO text parser and the collectives it finds (`hlo`), FLOP counts and t
 (`flops`), accelerator peaks and MFU (`peaks`), the per-device memory report (`memory`), the
 "will it fit?" verdict (`fit`) and the plan table (`report`).
 
-May import: `config`, `ops`, `sharding`. `fit` compiles candidate configs through
-`jaxspeed.train.initialize`, imported inside the function, so `train` may import `cost`.
+May import: `config`, `ops`, `sharding`, `network` (the collective kinds). `fit` compiles
+candidate configs through `jaxspeed.train.initialize`, imported inside the function, so
+`train` may import `cost`.
 """
 
 # The public names of the old `jaxspeed.profiler`, split into `hlo`, `flops` and `peaks`
 # (`jaxspeed._moved` maps the old path here). Only those three modules, which import nothing
-# of jaxspeed's: `fit`, `memory` and `report` load `config`, `ops` and `sharding`, so they
-# stay behind their own paths.
+# of jaxspeed's but the collective kinds (`jaxspeed.network.links`): `fit`, `memory` and
+# `report` load `config`, `ops` and `sharding`, so they stay behind their own paths.
 from jaxspeed.cost.flops import (
     compiled_flops,
     jaxpr_flops,

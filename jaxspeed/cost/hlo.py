@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+from jaxspeed.network.links import COLLECTIVES  # the collective kinds (`jaxspeed.network`)
 
 _DTYPE_BYTES = {"pred": 1, "token": 0, "tuple": 0}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z0-9]*)?)\[([0-9,]*)\]")

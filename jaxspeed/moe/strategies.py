@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 from jaxspeed.moe.all_to_all import a2a_chunk_count
 from jaxspeed.moe.host_tokens import sends_tokens
+from jaxspeed.network.collectives import collective_time
 
 #: `MoE.parallelism` values.
 PARALLELISMS = ("expert", "data", "expert_data", "expert_tensor", "auto")
@@ -53,7 +54,7 @@ _log = logging.getLogger(__name__)
 
 
 class Link(NamedTuple):
-    """One class of link, as `jaxspeed.autoplan.comm` costs it."""
+    """One class of link, as `jaxspeed.network.links` costs it."""
 
     bandwidth_gbps: float
     latency_us: float
@@ -179,9 +180,7 @@ def strategy_collectives(strategy: str, *, buffer_bytes: int, weight_bytes: int,
 def strategy_seconds(strategy: str, *, cluster: Links | None = None, **sizes) -> float:
     """The expert axis's communication of one MoE layer's step (forward and backward) under
     `strategy` (`strategy_collectives`, whose keyword arguments `sizes` are), by
-    `jaxspeed.autoplan.comm`'s model on the cluster's links (`links_of`; None: `UNIFORM`)."""
-    from jaxspeed.autoplan.comm import collective_time  # the planner's link model
-
+    `jaxspeed.network.collectives`' model on the cluster's links (`links_of`; None: `UNIFORM`)."""
     intra, inter, algorithm = cluster or UNIFORM
     mesh = exchange_mesh(sizes["ep"], sizes["hosts"], sizes.get("tp", 1))
     return sum(count * collective_time(kind, nbytes, axes, mesh, devices_per_host=per_host(mesh),

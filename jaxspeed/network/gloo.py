@@ -28,12 +28,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-from jaxspeed.cost.hlo import COLLECTIVES
-
-if TYPE_CHECKING:
-    from jaxspeed.autoplan.comm import LinkSpeed
+from jaxspeed.network.links import LinkSpeed, check_kind, overhead_seconds
 
 
 def _power_of_two(g: int) -> bool:
@@ -89,14 +86,13 @@ def link_load(
     """The load of one gloo collective (module docstring), all its groups running at once.
 
     Args:
-      kind: one of `jaxspeed.cost.hlo.COLLECTIVES`.
+      kind: one of `jaxspeed.network.links.COLLECTIVES`.
       nbytes: per-device bytes in the profiler's full-buffer convention.
       groups: device ids of each group in rank order (`ordered_groups`, or parsed replica
         groups); collective-permute: `(source, target)` pairs.
       devices_per_host: device `d` sits on host `d // devices_per_host`.
     """
-    if kind not in COLLECTIVES:
-        raise ValueError(f"kind: unknown collective {kind!r}; accepted kinds are {list(COLLECTIVES)}")
+    check_kind(kind)
     if devices_per_host < 1:
         raise ValueError(f"devices_per_host must be >= 1, got {devices_per_host}")
     egress: Counter = Counter()
@@ -127,8 +123,3 @@ def flat_seconds(load: LinkLoad, *, devices_per_host: int, intra: LinkSpeed,
     busiest = max(load.cross_host / host_bw, load.intra_host / (intra.bandwidth_gbps * 1e9))
     link = inter if load.crosses else intra
     return busiest + load.rounds * link.latency_us * 1e-6 + overhead_seconds(link)
-
-
-def overhead_seconds(link: LinkSpeed) -> float:
-    """A collective's fixed cost on `link`: its `overhead_us` (a `Cluster` link's), else 0."""
-    return getattr(link, "overhead_us", 0.0) * 1e-6
