@@ -27,10 +27,20 @@ LONG_MODULES: dict[str, str] = {
 }
 
 
-#: The README's Architecture table, top row first: a package imports only from rows below it.
-ARCHITECTURE = (("cli",), ("autoplan",), ("train",), ("checkpoint",), ("cost",), ("models",),
-                ("optim",), ("config",), ("attention", "moe", "pipeline"), ("sharding",),
-                ("data",), ("network",), ("ops",), ("runtime", "gpu"), ("errors", "tree_paths"))
+README = PACKAGE.parent / "README.md"
+
+
+def readme_table() -> tuple[tuple[str, ...], ...]:
+    """The README's Architecture table, top row first: each row's packages (the backticked
+    names of its first column). A package imports only from rows below it; the kernels
+    (`pallas_kernels`) sit below them all."""
+    text = README.read_text().split("## Architecture", 1)[1]
+    rows = text.split("| package | owns |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    return tuple(tuple(name.strip("` ") for name in row.split("|")[1].split(","))
+                 for row in rows)
+
+
+ARCHITECTURE = readme_table()
 #: Imports that run up the table, each inside a function (never at import time), and why:
 #: {(importer, imported): reason}.
 UPWARD: dict[tuple[str, str], str] = {
@@ -62,17 +72,17 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST):
-    """Every `import` and `from ... import` in `tree`, at any depth (functions included),
-    except those under `if TYPE_CHECKING:`, which never run."""
+def _imports(tree: ast.AST, type_checking: bool = False):
+    """Every `import` and `from ... import` in `tree`, at any depth (functions included);
+    those under `if TYPE_CHECKING:`, which never run, only with `type_checking`."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.orelse:
                 yield from _imports(ast.Module(body=[child], type_ignores=[]))
             continue
-        yield from _imports(node)
+        yield from _imports(node, type_checking)
 
 
 def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
@@ -95,15 +105,16 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module → the jaxspeed modules it imports (itself excluded)."""
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
+    """module → the jaxspeed and kernel modules it imports (itself excluded); with
+    `type_checking`, also those it imports only for type checkers."""
     modules = _modules()
     graph = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         is_package = path.name == "__init__.py"
         edges = set()
-        for node in _imports(tree):
+        for node in _imports(tree, type_checking):
             edges |= _targets(node, name, is_package, set(modules))
         graph[name] = edges - {name}
     return graph
@@ -159,8 +170,22 @@ def test_imports_resolve_to_modules_and_skip_type_checking():
 
 
 def test_the_package_has_no_import_cycles():
-    cycle = find_cycle(import_graph())
+    """Not even through imports for type checkers: a cycle there is a design knot too."""
+    cycle = find_cycle(import_graph(type_checking=True))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_kernels_import_nothing_of_jaxspeed():
+    """`pallas_kernels` is the bottom of the house: jaxspeed imports it, never the reverse."""
+    up = sorted((module, target) for module, targets in import_graph(type_checking=True).items()
+                if module.startswith("pallas_kernels") for target in targets
+                if target.startswith("jaxspeed"))
+    assert not up, f"the kernels import jaxspeed: {up}"
+
+
+def test_the_table_is_read_from_the_readme():
+    assert ARCHITECTURE[0] == ("cli",) and ARCHITECTURE[-1] == ("errors", "tree_paths")
+    assert ("attention", "moe", "pipeline") in ARCHITECTURE
 
 
 def test_modules_are_small():
