@@ -113,7 +113,7 @@ def test_zero3_over_an_expert_axis_across_processes_is_priced_in_two_stages(tmp_
     """No `host` axis names the hosts the expert axis spans, so the explicit step gathers and
     reduce-scatters the dense weights across the hosts and then inside them: the hierarchical
     algorithm's cost, less than gloo's flat ring over the 8 devices."""
-    from jaxspeed.network import collectives as comm  # collective_time
+    from jaxspeed.network.collectives import collective_time
 
     cluster = load_cluster(two_hosts(tmp_path))
     config = _config("mesh.data=1", "mesh.expert=8")
@@ -124,7 +124,7 @@ def test_zero3_over_an_expert_axis_across_processes_is_priced_in_two_stages(tmp_
     assert gathers and all(t.axes == ("expert",) for t in gathers)
 
     def priced(algorithm):
-        return sum(t.count * comm.collective_time(
+        return sum(t.count * collective_time(
             t.kind, t.nbytes, t.axes, sizes, devices_per_host=4, intra=cluster.intra_host,
             inter=cluster.inter_host, algorithm=algorithm) for t in gathers)
 

@@ -18,7 +18,7 @@ from jaxspeed.autoplan.space import from_config
 from jaxspeed.config import load_config
 from jaxspeed.config.cluster import Cluster, load_cluster, save_cluster
 from jaxspeed.network import gloo, placement
-from jaxspeed.network import links as comm  # collective_seconds
+from jaxspeed.network.links import collective_seconds
 from jaxspeed.train.zero_step import GLOO_BUCKET
 
 TINY = ["model.n_layers=2", "model.d_model=64", "model.d_ff=256", "data.seq_len=32",
@@ -84,8 +84,8 @@ def test_flat_seconds_is_the_busiest_link_plus_a_latency_a_round():
     with_overhead = gloo.flat_seconds(load, devices_per_host=2, intra=cluster.intra_host,
                                       inter=inter)
     assert with_overhead == pytest.approx(seconds + 3e-3)
-    assert comm.collective_seconds("all-gather", 1e6, 4, inter) == pytest.approx(
-        comm.collective_seconds("all-gather", 1e6, 4, cluster.inter_host) + 3e-3)
+    assert collective_seconds("all-gather", 1e6, 4, inter) == pytest.approx(
+        collective_seconds("all-gather", 1e6, 4, cluster.inter_host) + 3e-3)
 
 
 # -- the byte model against hand counts and the compiled step ------------------------------------
