@@ -70,6 +70,8 @@ FIGURES: dict[str, Figure] = {
         'if os.environ["JAXSPEED_PROCESS_ID"] == "1": sys.exit("rank 1: out of data")\n'
         "time.sleep(600)'",
         "console", "5-30 s"),
+    "plan-distributed-outside-cluster": Figure(
+        ".venv/bin/jaxspeed plan configs/gpt_tiny.yaml --distributed", "console", "5-30 s"),
 }
 
 
