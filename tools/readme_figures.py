@@ -49,7 +49,7 @@ class Figure(NamedTuple):
 
     command: str  # display form; `\` + newline continues a line
     kind: str  # "output" (stdout after a ```bash block) or "console" ($ command + stdout/stderr)
-    seconds: str  # how long it runs on 2 shared CPU cores, for --list
+    cost: str  # what it took on 2 CPU cores shared with ~20 busy processes (2026-12-07), for --list
     start: str = ""  # quote the output from the first line that starts with this on
 
 
@@ -58,20 +58,21 @@ OFFLOAD = ".venv/bin/jaxspeed plan configs/gpt_1b_offload.yaml --cpu-devices 8 -
 PER_DEVICE = "per device "  # the plan tables are quoted from here on, the sharding table left out
 
 FIGURES: dict[str, Figure] = {
-    "plan-gpt-1b-offload": Figure(OFFLOAD, "output", "2-8 min", PER_DEVICE),
+    "plan-gpt-1b-offload": Figure(OFFLOAD, "output", "61 s CPU, 8 min wall", PER_DEVICE),
     "plan-gpt-1b-offload-streamed": Figure(
         OFFLOAD + " \\\n"
         "  --set zero_optimization.offload_optimizer.device=cpu \\\n"
         "  --set zero_optimization.offload_optimizer.update_on=host \\\n"
         "  --set zero_optimization.offload_param.device=cpu",
-        "output", "2-8 min", PER_DEVICE),
+        "output", "19 s CPU, 3.6 min wall", PER_DEVICE),
     "launch-rank-fails": Figure(
         ".venv/bin/jaxspeed launch --nproc 2 -- .venv/bin/python -c 'import os, sys, time\n"
         'if os.environ["JAXSPEED_PROCESS_ID"] == "1": sys.exit("rank 1: out of data")\n'
         "time.sleep(600)'",
-        "console", "5-30 s"),
+        "console", "2 s CPU, 27 s wall"),
     "plan-distributed-outside-cluster": Figure(
-        ".venv/bin/jaxspeed plan configs/gpt_tiny.yaml --distributed", "console", "5-30 s"),
+        ".venv/bin/jaxspeed plan configs/gpt_tiny.yaml --distributed", "console",
+        "1.5 s CPU, 27 s wall"),
 }
 
 
@@ -189,7 +190,7 @@ def main(args: list[str] | None = None) -> int:
     names = opts.only or list(FIGURES)
     if opts.list:
         for name in names:
-            print(f"{name} ({FIGURES[name].kind}, {FIGURES[name].seconds}): {FIGURES[name].command}")
+            print(f"{name} ({FIGURES[name].kind}, {FIGURES[name].cost}): {FIGURES[name].command}")
         return 0
     fresh = {}
     for name in names:
