@@ -27,22 +27,24 @@ LOGGER = "jaxspeed.moe.strategies"
 
 
 def _run(mesh, spec, fn, x):
-    """`fn` under `shard_map` on `mesh` and its transpose at a random cotangent."""
+    """`fn` under `shard_map` on `mesh` and its transpose at random cotangents."""
     body = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))
     out, vjp = jax.vjp(body, x)
-    cot = jnp.asarray(np.random.default_rng(5).normal(size=out.shape), jnp.float32)
+    rng = np.random.default_rng(5)
+    cot = jax.tree.map(lambda o: jnp.asarray(rng.normal(size=o.shape), jnp.float32), out)
     return out, vjp(cot)[0]
 
 
-@pytest.mark.parametrize("split,concat", [(0, 1), (1, 0), (0, 0)])
-def test_within_host_all_to_all_is_the_all_to_all_of_each_host(split, concat):
+def test_within_host_all_to_all_is_the_all_to_all_of_each_host():
     """On 8 devices as 2 hosts x 4: the same as `all_to_all` over the inner axis of a
-    (2, 4) mesh, values and transpose, exactly."""
+    (2, 4) mesh, values and transpose, exactly; split before, after and at the concatenated
+    axis (one program a mesh)."""
+    pairs = ((0, 1), (1, 0), (0, 0))
     x = jnp.asarray(np.random.default_rng(3).normal(size=(8 * 8, 8, 3)), jnp.float32)
-    ours = _run(make_mesh({"expert": 8}), P("expert"),
-                lambda a: within_host_all_to_all(a, "expert", split, concat, hosts=2), x)
-    ref = _run(make_mesh({"data": 2, "expert": 4}), P(("data", "expert")),
-               lambda a: jax.lax.all_to_all(a, "expert", split, concat, tiled=True), x)
+    ours = _run(make_mesh({"expert": 8}), P("expert"), lambda a: [
+        within_host_all_to_all(a, "expert", split, concat, hosts=2) for split, concat in pairs], x)
+    ref = _run(make_mesh({"data": 2, "expert": 4}), P(("data", "expert")), lambda a: [
+        jax.lax.all_to_all(a, "expert", split, concat, tiled=True) for split, concat in pairs], x)
     chex.assert_trees_all_equal(ours, ref)
 
 
@@ -70,9 +72,14 @@ def _cross_host_permute_bytes(hlo, host):
             and any(host(a) != host(b) for a, b in op.groups)]
 
 
-@pytest.mark.parametrize("axes", [{"expert": 8}, {"data": 2, "expert": 4}])
-@pytest.mark.parametrize("parallelism", ["data", "expert_data"])
-def test_each_strategy_equals_one_device(axes, parallelism):
+@pytest.mark.parametrize("parallelism,axes", [
+    # the experts gathered over `expert`, their gradients summed over `data` as well
+    ("data", {"data": 2, "expert": 4}),
+    # 4 devices a host: the swap of the [hosts, per host] expert blocks is not its own inverse,
+    # as it is at 2 x 2 (`data` x `expert` = 2 x 4 here, `tests/test_moe_expert_tensor.py`)
+    ("expert_data", {"expert": 8}),
+])
+def test_each_strategy_equals_one_device(parallelism, axes):
     """The same outputs, routing and gradients as the single-device layer; `data` gathers
     the experts and exchanges no token; `expert_data` sends only the experts' weights (and
     their gradient) across the 2 hosts."""
@@ -120,7 +127,9 @@ def test_auto_picks_per_capacity_and_logs_the_choice(tmp_path, caplog):
     result is still the single-device layer's."""
     # experts of 12 x 16: 1.5 KiB each (w_in, w_out); buffers of 8 experts x C slots x 12
     cluster = _links(tmp_path, 0.005)
-    options = dict(EP, dynamic_capacity=True, capacity_factor=16.0)  # buckets of 32, 16, 8
+    # buckets of 16 and 8 slots, both priced `expert_data` on this link (a third bucket adds
+    # another branch of the same strategy to compile)
+    options = dict(EP, dynamic_capacity=True, capacity_factor=8.0)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         out, ref, _ = _on_mesh_and_one_device(options, {"expert": 8}, parallelism="auto",
                                               a2a_hosts=2, cluster=cluster)
