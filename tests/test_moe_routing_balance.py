@@ -59,12 +59,20 @@ def _grads(module, params, x):
     return fn(params, x)
 
 
+@functools.cache
+def _one_device(options: tuple, num_groups: int):
+    """`(((loss, (y, metrics)), (d params, d x)), params)` of the single-device layer with
+    `dict(options)` and `num_groups`, at `_params`' params (numpy): computed once a file (or a
+    worker) for every test that compares against it."""
+    module = MoE(num_groups=num_groups, **dict(options))
+    params = _params(module)
+    return _grads(module, jax.tree.map(jnp.asarray, params), jnp.asarray(X)), params
+
+
 def _on_mesh_and_one_device(options, axes, *, num_groups=None, **extra):
     """`(on the mesh, on one device with num_groups (default 8), the mesh's compiled HLO)`,
     each `((loss, (y, metrics)), (d params, d x))`, the same params on both."""
-    ref_module = MoE(num_groups=num_groups or 8, **options)
-    params = _params(ref_module)
-    ref = _grads(ref_module, jax.tree.map(jnp.asarray, params), jnp.asarray(X))
+    ref, params = _one_device(tuple(sorted(options.items())), num_groups or 8)
     mesh = make_mesh(axes)
     module = MoE(**options, num_groups=num_groups, **extra)
     specs = nn.get_partition_spec(_abstract(module))["params"]
@@ -73,7 +81,8 @@ def _on_mesh_and_one_device(options, axes, *, num_groups=None, **extra):
         x = jax.device_put(X, NamedSharding(mesh, P(("data", "expert"))))
         fn = jax.jit(jax.value_and_grad(functools.partial(_loss, module), argnums=(0, 1),
                                         has_aux=True))
-        return fn(placed, x), ref, fn.lower(placed, x).compile().as_text()
+        compiled = fn.lower(placed, x).compile()  # once, for the values and the HLO
+        return compiled(placed, x), ref, compiled.as_text()
 
 
 # -- expert choice -----------------------------------------------------------------------------
@@ -117,19 +126,24 @@ def test_expert_choice_gating_fills_every_expert_and_keeps_the_probabilities():
 
 
 def test_expert_choice_equals_the_dense_reference_forward_and_gradients():
-    module = MoE(num_groups=8, **EC)
-    params = jax.tree.map(jnp.asarray, _params(module))
-    (loss, (y, metrics)), grads = _grads(module, params, jnp.asarray(X))
-    dense = lambda p, x: jnp.sum(_dense_expert_choice(p, x, groups=8) * COT)  # noqa: E731
-    ref_y = _dense_expert_choice(params, jnp.asarray(X), groups=8)
-    ref_grads = jax.grad(dense, argnums=(0, 1))(params, jnp.asarray(X))
+    ((loss, (y, metrics)), grads), params = _one_device(tuple(sorted(EC.items())), 8)
+    params = jax.tree.map(jnp.asarray, params)
+
+    @jax.jit
+    def dense(p, x):  # the output and the gradients of `sum(y * COT)`
+        ref_y, vjp = jax.vjp(lambda p, x: _dense_expert_choice(p, x, groups=8), p, x)
+        return ref_y, vjp(jnp.asarray(COT))
+
+    ref_y, ref_grads = dense(params, jnp.asarray(X))
     assert_close(y, ref_y, rtol=RTOL)
     assert_close(grads, ref_grads, rtol=RTOL)  # the router's gradient comes through the weights
     assert float(jnp.abs(grads[0]["gate_kernel"]).max()) > 0
     chex.assert_trees_all_equal(metrics["expert_counts"][0], jnp.full((E,), 8 * 2, jnp.int32))
 
 
-@pytest.mark.parametrize("axes", [{"expert": 8}, {"data": 2, "expert": 4}])
+# 2 experts a device and their gradients summed over `data`: the exchange of {"expert": 8}
+# (one expert a device) and more.
+@pytest.mark.parametrize("axes", [{"data": 2, "expert": 4}])
 def test_expert_choice_expert_parallel_equals_one_device(axes):
     ((_, (y, _)), grads), ((_, (ref_y, _)), ref_grads), _ = _on_mesh_and_one_device(EC, axes)
     assert_close((y, grads), (ref_y, ref_grads), rtol=RTOL)
@@ -176,10 +190,8 @@ def test_the_bias_picks_the_experts_but_never_weights_them():
 
 
 def test_balance_bias_adds_no_aux_loss_and_reports_the_load_as_the_bias_cotangent():
-    module = MoE(num_groups=8, **BIAS)
-    params = jax.tree.map(jnp.asarray, _params(module))
+    ((loss, (y, metrics)), (grads, _)), params = _one_device(tuple(sorted(BIAS.items())), 8)
     assert params[BIAS_PARAM].shape == (E,)
-    (loss, (y, metrics)), (grads, _) = _grads(module, params, jnp.asarray(X))
     np.testing.assert_allclose(loss, jnp.sum(y * COT), rtol=1e-6)  # no aux loss
     want = centered_load(metrics["expert_counts"][0])
     np.testing.assert_allclose(grads[BIAS_PARAM], want, rtol=1e-6, atol=1e-7)
@@ -247,22 +259,34 @@ from jaxspeed.moe.all_to_all import MAX_AUTO_CHUNKS, MIN_CHUNK_BYTES, a2a_chunk_
 from jaxspeed.moe.all_to_all import collectives_overlap  # noqa: E402
 
 
-@pytest.mark.parametrize("hosts", [2, 4])
-@pytest.mark.parametrize("split,concat", [(0, 1), (1, 0), (0, 0), (1, 2)])
-def test_hierarchical_all_to_all_equals_the_flat_one_and_so_does_its_transpose(hosts, split,
-                                                                                concat):
+#: `(split_axis, concat_axis)` pairs: either before the other, the same, a trailing one.
+A2A_AXES = ((0, 1), (1, 0), (0, 0), (1, 2))
+
+
+def _a2a_and_transpose(exchange):
+    """`exchange(a, split, concat)` for each of `A2A_AXES` in one program on 8 devices, and its
+    transpose at a cotangent: `(outputs, d x)`."""
     mesh = make_mesh({"expert": 8})
     x = jnp.asarray(np.random.default_rng(6).normal(size=(8 * 16, 8, 3)), jnp.float32)
     cot = jnp.asarray(np.random.default_rng(7).normal(size=x.shape), jnp.float32)
+    body = jax.jit(jax.shard_map(lambda a: [exchange(a, *axes) for axes in A2A_AXES],
+                                 mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+    out, vjp = jax.vjp(body, x)
+    return out, vjp(body(cot))[0]
 
-    def run(exchange):
-        body = jax.shard_map(exchange, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"))
-        out, vjp = jax.vjp(jax.jit(body), x)
-        return out, vjp(jax.jit(body)(cot))[0]
 
-    flat = run(lambda a: jax.lax.all_to_all(a, "expert", split, concat, tiled=True))
-    two = run(lambda a: hierarchical_all_to_all(a, "expert", split, concat, hosts=hosts))
-    chex.assert_trees_all_equal(two, flat)  # the same values moved: exact
+@functools.cache
+def _flat_a2a_and_transpose():
+    return _a2a_and_transpose(
+        lambda a, split, concat: jax.lax.all_to_all(a, "expert", split, concat, tiled=True))
+
+
+@pytest.mark.parametrize("hosts", [2, 4])
+def test_hierarchical_all_to_all_equals_the_flat_one_and_so_does_its_transpose(hosts):
+    """Every pair of `A2A_AXES` (one program a `hosts`)."""
+    two = _a2a_and_transpose(
+        lambda a, split, concat: hierarchical_all_to_all(a, "expert", split, concat, hosts=hosts))
+    chex.assert_trees_all_equal(two, _flat_a2a_and_transpose())  # the same values moved: exact
 
 
 def test_spanned_hosts_counts_processes_along_the_axis():
@@ -305,9 +329,9 @@ EP = dict(num_experts=E, d_ff=H, k=2, capacity_factor=1.0, min_capacity=1, gate_
 
 @pytest.mark.parametrize("axes,extra,collective,count", [
     ({"expert": 8}, dict(a2a_chunks=2), "all-to-all", 4 * 2),  # 2 slots a device: 1 group x C
+    # the slots cross (fewer bytes than the tokens here); chunked as well: `tests/
+    # test_moe_host_tokens.py::test_chunks_that_overlap_the_ffn_keep_the_slots`
     ({"expert": 8}, dict(all_to_all="hierarchical", a2a_hosts=2), "collective-permute", None),
-    ({"data": 2, "expert": 4}, dict(all_to_all="hierarchical", a2a_hosts=2, a2a_chunks=2),
-     "collective-permute", None),
 ])
 def test_chunked_and_hierarchical_exchanges_equal_one_device(axes, extra, collective, count):
     out, ref, hlo = _on_mesh_and_one_device(EP, axes, **extra)
@@ -329,8 +353,8 @@ def test_hierarchical_exchange_options_are_checked():
     module = MoE(**EP, all_to_all="hierarchical", a2a_hosts=3)
     with jax.set_mesh(make_mesh({"expert": 8})), pytest.raises(
             ConfigError, match="a2a_hosts=3 must divide the size 8 of the mesh axis 'expert'"):
-        module.init({"params": jax.random.key(0), "gating": jax.random.key(1)},
-                    jax.device_put(X, NamedSharding(make_mesh({"expert": 8}), P("expert"))))
+        jax.eval_shape(module.init, {"params": jax.random.key(0), "gating": jax.random.key(1)},
+                       jax.device_put(X, NamedSharding(make_mesh({"expert": 8}), P("expert"))))
 
 
 def test_a_bf16_layer_on_the_mesh_equals_one_device():
