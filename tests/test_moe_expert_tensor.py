@@ -2,6 +2,8 @@
 on experts stored split over `tensor` against the single-device layer (forward and gradients),
 what each moves over `tensor` and the expert axis, and how the cost model weighs them."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -28,12 +30,18 @@ def _tensor_pairs(op) -> bool:
     return bool(op.groups) and all(len(g) == 2 and g[0] // 2 == g[1] // 2 for g in op.groups)
 
 
+@functools.cache
+def _on_a_tensor_axis(parallelism):
+    """`_on_mesh_and_one_device` on `MESH` under `parallelism`, once a file (its values for
+    one test, its HLO for another)."""
+    return _on_mesh_and_one_device(EP, MESH, num_groups=8, parallelism=parallelism, a2a_hosts=2)
+
+
 @pytest.mark.parametrize("parallelism", STRATEGIES)
 def test_each_strategy_on_a_tensor_axis_equals_one_device(parallelism):
     """expert x tensor = 4 x 2: the single-device layer's outputs, routing and gradients under
     every strategy, the experts' hidden units split over `tensor` as stored."""
-    out, ref, hlo = _on_mesh_and_one_device(EP, MESH, num_groups=8, parallelism=parallelism,
-                                            a2a_hosts=2)
+    out, ref, hlo = _on_a_tensor_axis(parallelism)
     ((_, (y, metrics)), grads), ((_, (ref_y, ref_metrics)), ref_grads) = out, ref
     chex.assert_trees_all_equal(metrics["expert_counts"], ref_metrics["expert_counts"])
     assert_close((y, grads), (ref_y, ref_grads), rtol=RTOL)
@@ -45,8 +53,9 @@ def test_each_strategy_on_a_tensor_axis_equals_one_device(parallelism):
 
 def test_auto_per_capacity_bucket_on_a_tensor_axis_equals_one_device():
     """Dynamic capacity: each bucket's branch runs the strategy priced for it, whole or split
-    over `tensor`; the result is still the single-device layer's."""
-    options = dict(EP, dynamic_capacity=True, capacity_factor=16.0)  # buckets of 32, 16, 8
+    over `tensor`; the result is still the single-device layer's. Buckets of 32 and 16 slots
+    (at least 16), priced `data` and `expert`: two strategies in one step."""
+    options = dict(EP, dynamic_capacity=True, capacity_factor=16.0, min_capacity=16)
     out, ref, _ = _on_mesh_and_one_device(options, MESH, num_groups=8, parallelism="auto",
                                           a2a_hosts=2)
     ((_, (y, _)), grads), ((_, (ref_y, _)), ref_grads) = out, ref
@@ -56,9 +65,10 @@ def test_auto_per_capacity_bucket_on_a_tensor_axis_equals_one_device():
 def test_whole_experts_exchange_half_the_slots():
     """With the experts whole (`expert`) a device of a tensor pair exchanges half the pair's
     slots; with them split (`expert_tensor`) all of them, and sums the FFN's output over the
-    pair instead."""
+    pair instead (the programs `test_each_strategy_on_a_tensor_axis_equals_one_device` ran:
+    `a2a_hosts` changes nothing in the flat exchange)."""
     def exchanged(parallelism):
-        hlo = _on_mesh_and_one_device(EP, MESH, num_groups=8, parallelism=parallelism)[2]
+        hlo = _on_a_tensor_axis(parallelism)[2]
         ops = collectives(hlo, num_devices=8)
         return (sum(op.bytes * op.executions for op in ops if op.kind == "all-to-all"),
                 [op for op in ops if op.kind == "all-reduce" and _tensor_pairs(op)])
@@ -89,6 +99,31 @@ def _ffn_on_mesh(axes, opts, experts, x, kernel, groups=8):
         return fn(placed, jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))))
 
 
+@functools.cache
+def _swiglu_experts():
+    """`(experts, x, kernel)`: 8 biased swiglu experts of 8 -> 12 -> 8, 64 tokens, a router."""
+    rng = np.random.default_rng(11)
+    m, h, e = 8, 12, 8
+    experts = init_expert_params(jax.random.key(4), e, m, h, activation="swiglu", bias=True)
+    experts = experts._replace(b_in=jnp.asarray(rng.normal(size=(e, h)), jnp.float32),
+                               b_out=jnp.asarray(rng.normal(size=(e, m)), jnp.float32))
+    x = jnp.asarray(rng.normal(size=(64, m)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(m, e)), jnp.float32)
+    return experts, x, kernel
+
+
+def _swiglu_options(parallelism, drop):
+    return GatingOptions(num_experts=8, k=2, capacity_factor=1.0, min_capacity=1,
+                         use_rts=False, drop_tokens=drop, activation="swiglu",
+                         parallelism=parallelism)
+
+
+@functools.cache
+def _swiglu_one_device(drop):
+    """The single device's `_ffn_on_mesh` (its one device runs no strategy: any is `expert`)."""
+    return _ffn_on_mesh(None, _swiglu_options("expert", drop), *_swiglu_experts())
+
+
 @pytest.mark.parametrize("axes,parallelism,drop", [
     ({"expert": 4, "tensor": 2}, "expert", True),
     ({"expert": 4, "tensor": 2}, "expert_tensor", True),
@@ -98,19 +133,8 @@ def _ffn_on_mesh(axes, opts, experts, x, kernel, groups=8):
 def test_biased_swiglu_experts_equal_one_device(axes, parallelism, drop):
     """Biased swiglu experts: the hidden units' biases split over `tensor` with them, the
     output's added once, whichever way the shares are summed."""
-    rng = np.random.default_rng(11)
-    m, h, e = 8, 12, 8
-    experts = init_expert_params(jax.random.key(4), e, m, h, activation="swiglu", bias=True)
-    experts = experts._replace(b_in=jnp.asarray(rng.normal(size=(e, h)), jnp.float32),
-                               b_out=jnp.asarray(rng.normal(size=(e, m)), jnp.float32))
-    x = jnp.asarray(rng.normal(size=(64, m)), jnp.float32)
-    kernel = jnp.asarray(rng.normal(size=(m, e)), jnp.float32)
-    opts = GatingOptions(num_experts=e, k=2, capacity_factor=1.0, min_capacity=1,
-                         use_rts=False, drop_tokens=drop, activation="swiglu",
-                         parallelism=parallelism)
-    ours = _ffn_on_mesh(axes, opts, experts, x, kernel)
-    ref = _ffn_on_mesh(None, opts, experts, x, kernel)
-    assert_close(ours, ref, rtol=program_rtol(width=64, depth=3 * 5))
+    ours = _ffn_on_mesh(axes, _swiglu_options(parallelism, drop), *_swiglu_experts())
+    assert_close(ours, _swiglu_one_device(drop), rtol=program_rtol(width=64, depth=3 * 5))
 
 
 def test_the_cost_model_weighs_the_gathered_experts_against_the_halved_buffer():
