@@ -49,10 +49,26 @@ def train(engine, state, steps, start=0):
 
 
 @functools.cache
-def single_device_run(steps=5):
+def one_device():
+    """The single-device engine (gradient accumulation over the microbatches) and the params
+    its state starts from, on the host."""
     cfg = config("mesh.data=1", f"gradient_accumulation_steps={MICRO}")
     engine = js.initialize(cfg, mesh=single_device_mesh())
-    return train(engine, engine.init(jax.random.key(0)), steps)
+    return engine, jax.device_get(engine.init(jax.random.key(0)).params)
+
+
+@functools.cache
+def single_device_run(steps=5):
+    engine, params = one_device()
+    return train(engine, engine.init(jax.random.key(0), params=params), steps)
+
+
+@functools.cache
+def three_d(stage, schedule):
+    """The pipe=2 x data=2 x tensor=2 engine (its steps compile once for all the tests)."""
+    return js.initialize(
+        config(*THREE_D, f"zero_optimization.stage={stage}", f"pipeline.schedule={schedule}")
+    )
 
 
 @pytest.mark.parametrize(
@@ -60,38 +76,41 @@ def single_device_run(steps=5):
     [(1, "1f1b"), (3, "1f1b"), pytest.param(2, "interleaved", marks=pytest.mark.slow)],
 )
 def test_3d_training_equals_one_device(stage, schedule):
-    engine = js.initialize(
-        config(*THREE_D, f"zero_optimization.stage={stage}", f"pipeline.schedule={schedule}")
-    )
+    engine = three_d(stage, schedule)
     assert engine.batch_sizes.accumulation_steps == MICRO
     layer_spec = engine.plan.params["layers"]["attn"]["query"].spec
     assert layer_spec[0] == "pipe" and "tensor" in layer_spec
-    state, losses = train(engine, engine.init(jax.random.key(0)), 5)
+    # ZeRO-1 creates its state on the 3D mesh, which must equal one device's init; the others
+    # start from one device's initial params (an init program less each).
+    params = None if stage == 1 else one_device()[1]
+    state, losses = train(engine, engine.init(jax.random.key(0), params=params), 5)
     ref_state, ref_losses = single_device_run()
     np.testing.assert_allclose(losses, ref_losses, rtol=RHO)
     assert_adam_params_close(state.params, ref_state.params, steps=5, lr=0.003, rho=RHO)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first, second", [("pipe2", "pipe1"), ("pipe1", "pipe2")])
-def test_checkpoint_crosses_pipeline_sizes(tmp_path, first, second):
-    meshes = {
-        "pipe2": ["mesh.pipe=2", "mesh.data=4", f"pipeline.num_microbatches={MICRO}"],
-        "pipe1": ["mesh.data=4", "mesh.tensor=2", f"gradient_accumulation_steps={MICRO}"],
-    }
-    engine = js.initialize(config(*meshes[first], f"checkpoint.dir={tmp_path}"))
-    state, _ = train(engine, engine.init(jax.random.key(0)), 2)
-    engine.save(state)
-    engine.checkpointer().wait()
-    _, continued = train(engine, state, 2, start=2)
+def test_checkpoint_crosses_pipeline_sizes(tmp_path):
+    """A checkpoint of the 3D engine (pipe=2) restores onto one device (pipe=1), and one of
+    one device onto the 3D engine: each continues like the engine that saved it (bit-exact on
+    its own mesh). The engines are test_3d_training_equals_one_device's, with their steps
+    compiled there."""
+    pipe2, pipe1 = three_d(1, "1f1b"), one_device()[0]
 
-    same = engine.restore()
-    _, same_losses = train(engine, same, 2, start=2)
-    np.testing.assert_array_equal(same_losses, continued)  # same mesh: bit-exact
+    def crosses(first, second, state, directory, start):
+        """Saves `first`'s `state` at step `start`; returns `second`'s state 2 steps on."""
+        first.save(state, directory=directory)
+        first.checkpointer(directory).wait()
+        _, continued = train(first, state, 2, start=start)
+        _, same_losses = train(first, first.restore(directory=directory), 2, start=start)
+        np.testing.assert_array_equal(same_losses, continued)  # same mesh: bit-exact
+        other, other_losses = train(second, second.restore(directory=directory), 2, start=start)
+        np.testing.assert_allclose(other_losses, continued, rtol=RHO)  # reordered sums
+        return other
 
-    other = js.initialize(config(*meshes[second], f"checkpoint.dir={tmp_path}"))
-    _, other_losses = train(other, other.restore(), 2, start=2)
-    np.testing.assert_allclose(other_losses, continued, rtol=RHO)  # another mesh: reordered sums
+    state, _ = train(pipe2, pipe2.init(jax.random.key(0)), 2)
+    state = crosses(pipe2, pipe1, state, tmp_path / "pipe2", start=2)
+    crosses(pipe1, pipe2, state, tmp_path / "pipe1", start=4)
 
 
 @pytest.mark.parametrize(
