@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, restore onto another mesh/ZeRO stage, preemption, bad input, export."""
 
+import functools
 import json
 import os
 import signal
@@ -33,6 +34,16 @@ def config(*overrides):
     return js.load_config(None, overrides=[*TINY, *overrides])
 
 
+@functools.cache
+def _engine(overrides: tuple[str, ...]):
+    return js.initialize(config(*overrides))
+
+
+def engine_of(*overrides):
+    """One engine per config for the whole file: its programs compile once."""
+    return _engine(overrides)
+
+
 @pytest.fixture(scope="module")
 def dataset():
     return TokenDataset.from_config(config().data, seed=0)
@@ -54,15 +65,14 @@ def run(engine, state, dataset, steps):
 )
 def test_resume_is_bit_exact(tmp_path, dataset, overrides):
     cfg = config("mesh.data=8", *overrides)
-    engine = js.initialize(cfg)
-    straight, straight_losses = run(engine, engine.init(jax.random.key(0)), dataset, 20)
-
     first = js.initialize(cfg)
     half, losses_a = run(first, first.init(jax.random.key(0)), dataset, 10)
     first.save(half, directory=tmp_path)
     first.checkpointer(tmp_path).wait()
-    second = js.initialize(cfg)  # a new engine: nothing carried over but the checkpoint
+    # another engine, which never saw that run: nothing carried over but the checkpoint
+    second = engine_of("mesh.data=8", *overrides)
     resumed, losses_b = run(second, second.restore(directory=tmp_path), dataset, 10)
+    straight, straight_losses = run(second, second.init(jax.random.key(0)), dataset, 20)
 
     assert losses_a + losses_b == straight_losses
     chex.assert_trees_all_equal(jax.device_get(resumed.params), jax.device_get(straight.params))
@@ -80,13 +90,13 @@ def test_resume_is_bit_exact(tmp_path, dataset, overrides):
     ids=["z3-data8-to-z1-tp2", "z1-tp2-to-z3-data8"],
 )
 def test_restore_onto_another_mesh_and_stage(tmp_path, dataset, saved, restored):
-    engine = js.initialize(config(*saved))
+    engine = engine_of(*saved)  # z3-data8: test_resume_is_bit_exact[zero3]'s engine
     state, _ = run(engine, engine.init(jax.random.key(0)), dataset, 3)
     engine.save(state, directory=tmp_path)
     engine.checkpointer(tmp_path).wait()
     _, never_moved = run(engine, state, dataset, 3)
 
-    moved_engine = js.initialize(config(*restored))
+    moved_engine = engine_of(*restored)
     moved = moved_engine.restore(directory=tmp_path)
     for arr, sharding in zip(jax.tree.leaves(moved), jax.tree.leaves(moved_engine.state_shardings)):
         assert arr.sharding.is_equivalent_to(sharding, arr.ndim)
@@ -97,7 +107,7 @@ def test_restore_onto_another_mesh_and_stage(tmp_path, dataset, saved, restored)
 
 
 def test_incompatible_checkpoint_names_the_leaf(tmp_path):
-    engine = js.initialize(config())
+    engine = engine_of("mesh.data=8", "zero_optimization.stage=0")  # its init compiled above
     engine.save(engine.init(jax.random.key(0)), directory=tmp_path)
     engine.checkpointer(tmp_path).wait()
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -108,7 +118,7 @@ def test_incompatible_checkpoint_names_the_leaf(tmp_path):
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
-    engine = js.initialize(config())
+    engine = engine_of("mesh.data=8", "zero_optimization.stage=0")
     engine.save(engine.init(jax.random.key(0)), directory=tmp_path)
     engine.checkpointer(tmp_path).wait()
     for f in (tmp_path / "0" / "state").rglob("d/*"):  # the array data files
@@ -159,35 +169,6 @@ def test_non_finite_loss_stops_without_saving(tmp_path):
         assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
 
 
-@pytest.mark.slow
-def test_sigterm_saves_and_resume_continues(tmp_path):
-    cfg = tmp_path / "cfg.json"
-    raw = js.load_config(None, overrides=TINY).to_dict()
-    cfg.write_text(json.dumps(raw))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "jaxspeed.cli", "train", str(cfg), "--cpu-devices", "8",
-           "--output", str(tmp_path / "run"), "--steps", "100000", "--no-progress"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == REQUEUE_EXIT_CODE, err  # saved: a scheduler may requeue it
-    assert "SIGTERM" in err and "exit code 75: requeue" in err and "Traceback" not in err
-    saved = Checkpointer(tmp_path / "run" / "checkpoints").latest_step()
-    logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
-    assert saved is not None and saved >= logged[-1]  # no completed step is lost
-
-    resume = subprocess.run(cmd[:-3] + ["--steps", str(saved + 2), "--no-progress"], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert resume.returncode == 0, resume.stderr
-    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
-    assert steps[-2:] == [saved + 1, saved + 2]
-
-
 def _steps_of_a_live_run(ckpt_dir) -> list[int]:
     """The complete steps in `ckpt_dir` while a run writes there (none before it exists).
 
@@ -203,30 +184,79 @@ def _steps_of_a_live_run(ckpt_dir) -> list[int]:
             time.sleep(0.1)
 
 
+def _logged_steps(metrics: Path) -> list[int]:
+    """The steps `metrics.jsonl` holds (a line a live run is writing is left out)."""
+    steps = []
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        try:
+            steps.append(json.loads(line)["step"])
+        except json.JSONDecodeError:
+            break
+    return steps
+
+
+def _wait_for(done, what: str, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while not done():
+        assert time.time() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
-def test_kill_during_async_save_loses_nothing_complete(tmp_path):
-    """kill -9 while async saves run every step: the restart resumes from the last complete one."""
+def test_kill_and_sigterm_lose_no_complete_step_and_resume(tmp_path):
+    """One CLI run stopped twice and then finished (three starts, each compiling its step):
+
+    1. kill -9 while async saves run every step: the restart resumes from the last complete one.
+    2. SIGTERM, with the periodic saves off: it saves the step it reached (no completed step is
+       lost) and exits 75, so a scheduler may requeue it; one line, no traceback.
+    3. The requeued run continues from that checkpoint.
+
+    The children inherit the suite's XLA flags (tests/conftest.py); `--cpu-devices` replaces
+    their device count.
+    """
     cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps(js.load_config(None, overrides=[*TINY, "checkpoint.every_n_steps=1", "checkpoint.keep=2"]).to_dict()))
+    saving = [*TINY, "checkpoint.every_n_steps=1", "checkpoint.keep=2"]
+    cfg.write_text(json.dumps(js.load_config(None, overrides=saving).to_dict()))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
     run_dir = tmp_path / "run"
+    ckpt_dir, metrics = run_dir / "checkpoints", run_dir / "metrics.jsonl"
     cmd = [sys.executable, "-m", "jaxspeed.cli", "train", str(cfg), "--cpu-devices", "8",
            "--output", str(run_dir), "--no-progress"]
-    proc = subprocess.Popen([*cmd, "--steps", "100000"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpt_dir = run_dir / "checkpoints"
-    deadline = time.time() + 240
-    while time.time() < deadline and len(_steps_of_a_live_run(ckpt_dir)) < 2:
-        time.sleep(0.5)
-    time.sleep(1.3)  # land somewhere inside the next saves
-    proc.kill()
-    proc.wait(timeout=60)
-    complete = Checkpointer(ckpt_dir).latest_step()
-    assert complete is not None and complete >= 2
-    resume = subprocess.run([*cmd, "--steps", str(complete + 2)], cwd=ROOT, env=env,
+    procs = []
+    try:
+        killed = subprocess.Popen([*cmd, "--steps", "100000"], cwd=ROOT, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(killed)
+        _wait_for(lambda: len(_steps_of_a_live_run(ckpt_dir)) >= 2, "2 complete checkpoints")
+        time.sleep(1.3)  # land somewhere inside the next saves
+        killed.kill()
+        killed.wait(timeout=60)
+        complete = Checkpointer(ckpt_dir).latest_step()
+        assert complete is not None and complete >= 2
+        reached = max(_logged_steps(metrics))  # >= complete: the kill may lose a save, not a log
+
+        # `checkpoint.` keys may change on a resume; without periodic saves only SIGTERM saves
+        stopped = subprocess.Popen(
+            [*cmd, "--steps", "100000", "--set", "checkpoint.every_n_steps=0"], cwd=ROOT,
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(stopped)
+        _wait_for(lambda: max(_logged_steps(metrics), default=0) >= reached + 2,
+                  "2 steps of the restarted run")
+        stopped.send_signal(signal.SIGTERM)
+        _, err = stopped.communicate(timeout=120)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert stopped.returncode == REQUEUE_EXIT_CODE, err  # saved: a scheduler may requeue it
+    assert "SIGTERM" in err and "exit code 75: requeue" in err and "Traceback" not in err
+    saved = Checkpointer(ckpt_dir).latest_step()
+    logged = _logged_steps(metrics)
+    # it resumed right after the last complete step (the killed run's later records dropped)
+    assert logged == list(range(1, len(logged) + 1)) and logged[-1] > reached
+    assert saved is not None and saved > complete and saved >= logged[-1]  # none lost
+
+    resume = subprocess.run([*cmd, "--steps", str(saved + 2)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert resume.returncode == 0, resume.stderr[-3000:]
-    assert Checkpointer(ckpt_dir).latest_step() == complete + 2
-    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps[-2:] == [complete + 1, complete + 2]
+    assert Checkpointer(ckpt_dir).latest_step() == saved + 2
+    assert _logged_steps(metrics)[-2:] == [saved + 1, saved + 2]
