@@ -2,6 +2,7 @@
 cross expert-parallel sizes, bad setups are clear errors."""
 
 import functools
+import logging
 
 import jax
 import numpy as np
@@ -54,6 +55,62 @@ def run(stage, mesh=tuple(EP4), steps=3):
     return engine, *train(engine, engine.init(jax.random.key(0)), steps)
 
 
+@functools.cache
+def run_plain(*overrides):
+    """`(engine, state, history)` after 3 steps, routing without random token selection: the
+    explicit ZeRO step draws each worker's own keys (as for dropout), the sharding path one per
+    group. Shared by the tests that train the same engine (don't train on from its state: the
+    step donates it)."""
+    engine = js.initialize(config(*overrides, "model.moe.use_rts=false"))
+    return engine, *train(engine, engine.init(jax.random.key(0)), 3)
+
+
+def explicit_zero3(*mesh):
+    return run_plain(*mesh, "zero_optimization.stage=3")
+
+
+RATE = 0.01  # of the balancing bias
+
+
+def biases(state):
+    return np.asarray(jax.device_get(
+        state.params["layers"]["moe_block"]["moe"]["selection_bias"]))
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@functools.cache
+def bias_auto_run():
+    """ZeRO-3, expert-parallel, the balancing bias (`model.moe.balance=bias`) and `parallelism:
+    auto` over dynamic capacity (buckets of 8 and 16 slots: the cap is `run(0)`'s fixed
+    capacity, so no bucket drops a choice it would keep): `(engine, the initial biases, state,
+    history, the strategies' log lines)` after 3 steps. One engine for the bias's tests and
+    auto's (each feature's own assertions; neither changes what the other computes)."""
+    logger = logging.getLogger("jaxspeed.moe.strategies")
+    messages, level = _Messages(), logger.level
+    logger.addHandler(messages)
+    logger.setLevel(logging.INFO)
+    try:
+        engine = js.initialize(config(
+            *EP4, "zero_optimization.stage=3",
+            "model.moe={num_experts: 4, k: 2, every_n_layers: 2, capacity_factor: 1.0, "
+            "dynamic_capacity: true, a2a_hosts: 2, parallelism: auto}",
+            "model.moe.balance=bias", f"model.moe.bias_update_rate={RATE}"))
+        state = engine.init(jax.random.key(0))
+        initial = biases(state)
+        return engine, initial, *train(engine, state, 3), messages.lines
+    finally:
+        logger.removeHandler(messages)
+        logger.setLevel(level)
+
+
 def test_moe_gpt_zero3_equals_zero0():
     _, state0, hist0 = run(0)
     engine3, state3, hist3 = run(3)
@@ -71,20 +128,16 @@ def test_moe_gpt_zero3_equals_zero0():
 
 
 @pytest.mark.parametrize("mesh", [
-    [*EP4, "zero_optimization.collectives=explicit"],
-    ["mesh.expert=4", "mesh.data=2", "mesh.hosts=2"],  # across hosts: explicit by default
+    (*EP4, "zero_optimization.collectives=explicit"),
+    ("mesh.expert=4", "mesh.data=2", "mesh.hosts=2"),  # across hosts: explicit by default
 ])
 def test_moe_gpt_explicit_zero3_equals_zero0(mesh):
     """ZeRO-3's explicit step with the expert axis manual: the dense weights gathered and
     reduce-scattered over (host, data, expert), each worker's experts its own, the tokens
-    exchanged inside the step's map. Routing without random token selection: the explicit
-    step draws each worker's own keys (as for dropout), the sharding path one per group."""
-    plain = ["model.moe.use_rts=false"]
-    zero0 = js.initialize(config(*EP4, *plain, "zero_optimization.stage=0"))
-    state0, hist0 = train(zero0, zero0.init(jax.random.key(0)), 3)
-    engine = js.initialize(config(*mesh, *plain, "zero_optimization.stage=3"))
+    exchanged inside the step's map. Routing without random token selection (`run_plain`)."""
+    zero0, state0, hist0 = run_plain(*EP4, "zero_optimization.stage=0")
+    engine, state3, hist3 = explicit_zero3(*mesh)
     assert engine.explicit_zero is not None and "expert" in engine.explicit_zero.split
-    state3, hist3 = train(engine, engine.init(jax.random.key(0)), 3)
     for key in ("loss", "aux_loss"):
         np.testing.assert_allclose([h[key] for h in hist3], [h[key] for h in hist0], rtol=RHO,
                                    err_msg=key)
@@ -97,17 +150,17 @@ def test_moe_gpt_explicit_zero3_equals_zero0(mesh):
 def test_moe_gpt_zeropp_with_the_expert_axis_trains_like_zero3():
     """qwZ + qgZ (int8) over (data, expert): each weight / gradient within 1/254 of its
     block's largest magnitude, so the loss within that fraction of explicit ZeRO-3's
-    (`tests/test_zero_step.py`'s bound)."""
+    (`tests/test_zero_step.py`'s bound). Both without random token selection, so explicit
+    ZeRO-3 is `test_moe_gpt_explicit_zero3_equals_zero0`'s engine (the explicit step with it
+    on: `tests/test_zero_step.py`'s MoE case)."""
     from jaxspeed.ops import quantize as qz
 
     z = "zero_optimization."
-    losses = []
-    for switches in ([z + "collectives=explicit"],
-                     [z + "zero_quantized_weights=true", z + "zero_quantized_gradients=true",
-                      z + "quantized_gradient_bits=8"]):
-        engine = js.initialize(config(*EP4, z + "stage=3", *switches))
-        _, history = train(engine, engine.init(jax.random.key(0)), 3)
-        losses.append([h["loss"] for h in history])
+    _, _, explicit = explicit_zero3(*EP4, z + "collectives=explicit")
+    _, _, quantized = explicit_zero3(*EP4, z + "zero_quantized_weights=true",
+                                     z + "zero_quantized_gradients=true",
+                                     z + "quantized_gradient_bits=8")
+    losses = [[h["loss"] for h in history] for history in (explicit, quantized)]
     np.testing.assert_allclose(losses[1], losses[0], rtol=1 / (2 * qz.QMAX[8]))
     assert losses[1] != losses[0]  # it did quantize
 
@@ -122,11 +175,13 @@ def test_aux_loss_is_in_the_loss_and_trains_the_router():
         state0.params["layers"]["moe_block"]["moe"]["gate_kernel"],
     )
     assert moved > 0
-    # Without the aux loss the objective differs by exactly the logged aux_loss.
-    plain = js.initialize(config(*EP4, "model.moe={num_experts: 4, k: 2, every_n_layers: 2, "
-                                 "capacity_factor: 1.0, aux_loss_coef: 0.0}"))
-    _, plain_history = train(plain, plain.init(jax.random.key(0)), 1)
-    # Another program (no aux term), the same forward loss: its chain, no backward.
+    # Without the aux loss the objective differs by exactly the logged aux_loss: the balancing
+    # bias leaves it out, and at step 0 its zero bias routes as `run(0)` (the same params and
+    # keys, the bias the layer's last parameter; the same capacity, whichever strategy runs).
+    _, _, _, plain_history, _ = bias_auto_run()
+    assert plain_history[0]["aux_loss"] == 0
+    # Another program (no aux term, ZeRO-3, another exchange), the same forward loss: its
+    # chain, no backward.
     np.testing.assert_allclose(
         history[0]["loss"] - history[0]["aux_loss"], plain_history[0]["loss"],
         rtol=program_rtol(width=TOKENS, depth=FORWARD_DEPTH),
@@ -134,19 +189,23 @@ def test_aux_loss_is_in_the_loss_and_trains_the_router():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first, second", [(EP4, EP2), (EP2, EP4)])
-def test_checkpoint_crosses_expert_parallel_sizes(tmp_path, first, second):
-    engine = js.initialize(config(*first, f"checkpoint.dir={tmp_path}"))
-    state, _ = train(engine, engine.init(jax.random.key(0)), 2)
-    engine.save(state)
-    engine.checkpointer().wait()
-    _, continued = train(engine, state, 2, start=2)
-    other = js.initialize(config(*second, f"checkpoint.dir={tmp_path}"))
-    _, resumed = train(other, other.restore(), 2, start=2)
-    # Another mesh: the same state, sums in another order.
-    np.testing.assert_allclose(
-        [h["loss"] for h in resumed], [h["loss"] for h in continued], rtol=RHO
-    )
+def test_checkpoint_crosses_expert_parallel_sizes(tmp_path):
+    """A checkpoint saved with the experts over 4 devices resumes over 2, and one saved over
+    2 resumes over 4: each resumed run continues as the saving engine does (the expert=4
+    engine is `run(0)`'s)."""
+    ep4, state, _ = run(0)  # 3 steps; its state is only saved (a step donates its input)
+    ep2 = js.initialize(config(*EP2))
+    step = 3
+    for (first, second), name in (((ep4, ep2), "ep4"), ((ep2, ep4), "ep2")):
+        first.save(state, directory=tmp_path / name)
+        first.checkpointer(tmp_path / name).wait()
+        _, continued = train(first, first.restore(directory=tmp_path / name), 2, start=step)
+        state, resumed = train(second, second.restore(directory=tmp_path / name), 2, start=step)
+        # Another mesh: the same state, sums in another order.
+        np.testing.assert_allclose(
+            [h["loss"] for h in resumed], [h["loss"] for h in continued], rtol=RHO, err_msg=name
+        )
+        step += 2
 
 
 def test_experts_not_divisible_by_the_expert_axis_is_a_clear_error():
@@ -158,22 +217,17 @@ def test_experts_not_divisible_by_the_expert_axis_is_a_clear_error():
 
 def test_balance_bias_trains_in_the_engine_and_checkpoints(tmp_path):
     """ZeRO-3, expert-parallel: each step moves every selection bias by exactly +-rate (or 0)
-    and leaves the aux loss out of the loss; the bias is saved and restored with the params."""
-    rate = 0.01
-    engine = js.initialize(config(*EP4, "zero_optimization.stage=3", f"checkpoint.dir={tmp_path}",
-                                  "model.moe.balance=bias", f"model.moe.bias_update_rate={rate}"))
-    state = engine.init(jax.random.key(0))
-    biases = lambda s: np.asarray(jax.device_get(  # noqa: E731
-        s.params["layers"]["moe_block"]["moe"]["selection_bias"]))
-    assert biases(state).shape == (1, 4) and not biases(state).any()  # one MoE layer, 4 experts
-    state, history = train(engine, state, 3)
-    steps = np.round(biases(state) / rate)
-    np.testing.assert_allclose(biases(state), steps * rate, atol=1e-7)  # whole steps of rate
+    and leaves the aux loss out of the loss; the bias is saved and restored with the params
+    (the engine runs `parallelism: auto` too: `bias_auto_run`)."""
+    engine, initial, state, history, _ = bias_auto_run()
+    assert initial.shape == (1, 4) and not initial.any()  # one MoE layer, 4 experts
+    steps = np.round(biases(state) / RATE)
+    np.testing.assert_allclose(biases(state), steps * RATE, atol=1e-7)  # whole steps of rate
     assert np.abs(steps).max() >= 1 and np.abs(steps).max() <= 3
     assert all(h["aux_loss"] == 0 for h in history) and all(np.isfinite(h["loss"]) for h in history)
-    engine.save(state)
-    engine.checkpointer().wait()
-    np.testing.assert_array_equal(biases(engine.restore()), biases(state))
+    engine.save(state, directory=tmp_path)
+    engine.checkpointer(tmp_path).wait()
+    np.testing.assert_array_equal(biases(engine.restore(directory=tmp_path)), biases(state))
 
 
 def test_balance_bias_refuses_a_one_bit_optimizer():
@@ -181,29 +235,22 @@ def test_balance_bias_refuses_a_one_bit_optimizer():
         js.initialize(config(*EP4, "model.moe.balance=bias", "optimizer.type=OneBitAdam"))
 
 
-def test_auto_reports_the_strategy_each_step_ran(caplog):
+def test_auto_reports_the_strategy_each_step_ran():
     """`parallelism: auto` with dynamic capacity: each step's metrics say which strategy the
     MoE layer ran (`moe_auto_<strategy>`, 1 for the one that ran: one MoE layer here), one of
-    those priced at compile time (one log line per capacity bucket); a fixed strategy reports
-    none. At ZeRO-3, whose step carries the metrics out of the sharded layers (ZeRO-0's plain
-    step is the simpler path, and compiling every bucket twice took 40 s)."""
-    stage = 3
-    import logging
-
+    those priced at compile time (one log line per capacity bucket: 2 here, each a branch of
+    the step); a fixed strategy (`run(0)`'s `expert`) reports none. At ZeRO-3, whose step
+    carries the metrics out of the sharded layers (ZeRO-0's plain step is the simpler path,
+    and compiling every bucket twice took 40 s); the engine is the balancing bias's."""
     from jaxspeed.moe.strategies import STRATEGIES
 
-    moe = ("model.moe={num_experts: 4, k: 2, every_n_layers: 2, capacity_factor: 4.0, "
-           "dynamic_capacity: true, a2a_hosts: 2, parallelism: %s}")
-    with caplog.at_level(logging.INFO, logger="jaxspeed.moe.strategies"):
-        engine = js.initialize(config(*EP4, f"zero_optimization.stage={stage}", moe % "auto"))
-        _, history = train(engine, engine.init(jax.random.key(0)), 2)
-    priced = {r.getMessage().split()[3] for r in caplog.records
-              if r.getMessage().startswith("MoE parallelism auto: ")}
-    assert priced and priced <= set(STRATEGIES), priced
+    *_, history, messages = bias_auto_run()
+    lines = [line for line in messages if line.startswith("MoE parallelism auto: ")]
+    priced = {line.split()[3] for line in lines}
+    assert len(lines) >= 2 and priced <= set(STRATEGIES), lines
     for h in history:
         ran = {s: h[f"moe_auto_{s}"] for s in STRATEGIES}
         assert sorted(ran.values()) == [0.0] * (len(STRATEGIES) - 1) + [1.0], ran
         assert max(ran, key=ran.get) in priced
-    fixed = js.initialize(config(*EP4, moe % "expert"))
-    _, history = train(fixed, fixed.init(jax.random.key(0)), 1)
-    assert not any(key.startswith("moe_auto_") for key in history[0])
+    _, _, fixed = run(0)
+    assert not any(key.startswith("moe_auto_") for h in fixed for key in h)
