@@ -23,21 +23,24 @@ PROMPT_LEN, NEW = 5, 11
 def test_greedy_with_cache_equals_argmax_without(arch):
     model = GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16,
                 **arch)
-    prompt = jax.random.randint(jax.random.key(0), (2, PROMPT_LEN), 0, 64)
-    params = nn.unbox(model.init(jax.random.key(1), prompt))["params"]
+    prompt = np.random.default_rng(0).integers(0, 64, (2, PROMPT_LEN), np.int32)
+    params = jax.jit(lambda key: nn.unbox(model.init(key, prompt))["params"])(jax.random.key(1))
     got = jax.jit(lambda p, x: generate(model, p, x, max_new_tokens=NEW, temperature=0))(
         params, prompt)
-    want = prompt
-    for _ in range(NEW):  # the whole prefix again at every step
-        logits = model.apply({"params": params}, want)
-        want = jnp.concatenate([want, jnp.argmax(logits[:, -1], -1)[:, None]], axis=1)
+    logits_of = jax.jit(lambda p, x: model.apply({"params": p}, x))
+    want = np.zeros((2, PROMPT_LEN + NEW), np.int32)
+    want[:, :PROMPT_LEN] = prompt
+    for t in range(PROMPT_LEN, PROMPT_LEN + NEW):
+        # the whole prefix again at every step; the positions after it, still 0, are causally
+        # masked, so one length (one program) serves every step
+        want[:, t] = np.argmax(logits_of(params, want)[:, t - 1], -1)
     np.testing.assert_array_equal(got, want)
 
 
 def test_top_p_keeps_the_most_likely_tokens_only():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.random.split(jax.random.key(0), 400)
-    drawn = jax.vmap(lambda k: choose(logits, k, temperature=1.0, top_p=0.7))(keys)
+    drawn = jax.jit(jax.vmap(lambda k: choose(logits, k, temperature=1.0, top_p=0.7)))(keys)
     assert set(np.unique(drawn).tolist()) == {0, 1}  # 0.5 + 0.3 reach 0.7; 0.15 never drawn
     greedy = choose(logits, keys[0], temperature=0, top_p=0.1)
     assert int(greedy[0]) == 0
@@ -56,8 +59,8 @@ def test_engine_samples_with_its_plan_and_the_byte_codec():
     params = jax.device_get(state.params)
     greedy = sample_from_engine(engine, state.params, [[100, 101, 102]], max_new_tokens=6,
                                 temperature=0)
-    plain = np.asarray(generate(engine.model, params, jnp.array([[100, 101, 102]]),
-                                max_new_tokens=6, temperature=0))
+    plain = jax.jit(lambda p, x: generate(engine.model, p, x, max_new_tokens=6, temperature=0))(
+        params, np.array([[100, 101, 102]], np.int32))  # jitted: eagerly each op compiles
     np.testing.assert_array_equal(greedy, plain)
 
 
@@ -68,8 +71,9 @@ def test_engine_samples_with_its_plan_and_the_byte_codec():
 ])
 def test_bad_requests_are_config_errors(options, match):
     model = GPT(vocab_size=64, d_model=32, n_layers=1, n_heads=4, d_ff=64, max_seq_len=16)
-    prompt = jnp.zeros((1, 4), jnp.int32)
-    params = nn.unbox(model.init(jax.random.key(1), prompt))["params"]
+    prompt = np.zeros((1, 4), np.int32)
+    # the request is checked before the params are read: their shapes will do
+    params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(1), prompt))["params"])
     with pytest.raises(ConfigError, match=match):
         generate(model, params, prompt, key=jax.random.key(0), **options)
 
