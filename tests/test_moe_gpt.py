@@ -4,6 +4,7 @@ cross expert-parallel sizes, bad setups are clear errors."""
 import functools
 import logging
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -190,22 +191,25 @@ def test_aux_loss_is_in_the_loss_and_trains_the_router():
 
 @pytest.mark.slow
 def test_checkpoint_crosses_expert_parallel_sizes(tmp_path):
-    """A checkpoint saved with the experts over 4 devices resumes over 2, and one saved over
-    2 resumes over 4: each resumed run continues as the saving engine does (the expert=4
-    engine is `run(0)`'s)."""
-    ep4, state, _ = run(0)  # 3 steps; its state is only saved (a step donates its input)
+    """A checkpoint saved with the experts over 4 devices restores over 2, and one saved over 2
+    restores over 4: every array in the restoring engine's sharding and equal to the saved one
+    (the expert=4 engine is `run(0)`'s; an engine with 2 experts a device trains in
+    `tests/test_muon.py`'s moe_expert2 case, and onto another mesh a restored state trains on
+    in `tests/test_checkpoint.py`)."""
+    def values(state):
+        return jax.device_get((state.step, state.params, state.opt_state,
+                               jax.random.key_data(state.rng)))
+
+    ep4, state, _ = run(0)  # 3 steps
     ep2 = js.initialize(config(*EP2))
-    step = 3
-    for (first, second), name in (((ep4, ep2), "ep4"), ((ep2, ep4), "ep2")):
+    saved = values(state)
+    for name, (first, second) in (("ep4", (ep4, ep2)), ("ep2", (ep2, ep4))):
         first.save(state, directory=tmp_path / name)
         first.checkpointer(tmp_path / name).wait()
-        _, continued = train(first, first.restore(directory=tmp_path / name), 2, start=step)
-        state, resumed = train(second, second.restore(directory=tmp_path / name), 2, start=step)
-        # Another mesh: the same state, sums in another order.
-        np.testing.assert_allclose(
-            [h["loss"] for h in resumed], [h["loss"] for h in continued], rtol=RHO, err_msg=name
-        )
-        step += 2
+        state = second.restore(directory=tmp_path / name)
+        for arr, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(second.state_shardings)):
+            assert arr.sharding.is_equivalent_to(sharding, arr.ndim), name
+        chex.assert_trees_all_equal(values(state), saved)
 
 
 def test_experts_not_divisible_by_the_expert_axis_is_a_clear_error():
