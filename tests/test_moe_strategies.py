@@ -2,6 +2,7 @@
 strategy against the single-device layer (forward and gradients), what crosses a host under
 each, and `auto`'s choice by the cost model."""
 
+import functools
 import logging
 
 import chex
@@ -75,8 +76,8 @@ def _cross_host_permute_bytes(hlo, host):
 @pytest.mark.parametrize("parallelism,axes", [
     # the experts gathered over `expert`, their gradients summed over `data` as well
     ("data", {"data": 2, "expert": 4}),
-    # 4 devices a host: the swap of the [hosts, per host] expert blocks is not its own inverse,
-    # as it is at 2 x 2 (`data` x `expert` = 2 x 4 here, `tests/test_moe_expert_tensor.py`)
+    # 2 hosts of 4 devices: the swap of the [hosts, per host] expert blocks is not its own
+    # inverse, as it is for 2 hosts of 2 (an expert axis of 4: `tests/test_moe_expert_tensor.py`)
     ("expert_data", {"expert": 8}),
 ])
 def test_each_strategy_equals_one_device(parallelism, axes):
@@ -142,13 +143,15 @@ def test_auto_picks_per_capacity_and_logs_the_choice(tmp_path, caplog):
 
 
 def test_parallelism_values_are_checked():
+    def init(module):  # traced only: the layer checks its options before it computes
+        jax.eval_shape(functools.partial(module.init, deterministic=True),
+                       {"params": jax.random.key(0)}, jnp.zeros((8, 12)))
+
     with pytest.raises(ConfigError, match="MoE.parallelism must be one of"):
-        MoE(**EP, parallelism="tensor").init({"params": jax.random.key(0)},
-                                             jnp.zeros((8, 12)), deterministic=True)
+        init(MoE(**EP, parallelism="tensor"))
     # a layer takes links; a file name is for a config, which the GPT's builder reads
     with pytest.raises(ConfigError, match="MoE.cluster='two.yaml' is a file or preset name"):
-        MoE(**EP, parallelism="auto", cluster="two.yaml").init(
-            {"params": jax.random.key(0)}, jnp.zeros((8, 12)), deterministic=True)
+        init(MoE(**EP, parallelism="auto", cluster="two.yaml"))
 
 
 def test_a_config_names_a_cluster_file_the_gpt_reads(tmp_path):
