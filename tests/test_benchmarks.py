@@ -20,14 +20,20 @@ TIMEOUT_S = 1200  # generous: most quick runs take seconds, auto_plan about 2 mi
 
 
 @functools.cache
-def run_quick(name: str) -> tuple[dict, ...]:
-    """Runs `benchmarks/NAME.py --quick` once; returns its JSON lines (the last is the headline)."""
+def quick_output(name: str) -> str:
+    """Runs `benchmarks/NAME.py --quick` once (per test process); returns what it printed."""
     proc = subprocess.run(
         [sys.executable, f"benchmarks/{name}.py", "--quick"],
         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
     )
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    lines = proc.stdout.strip().splitlines()
+    return proc.stdout
+
+
+@functools.cache
+def run_quick(name: str) -> tuple[dict, ...]:
+    """`benchmarks/NAME.py --quick`'s JSON lines (the last is the headline), from one run."""
+    lines = quick_output(name).strip().splitlines()
     assert lines, f"{name} printed nothing"
     headline = json.loads(lines[-1])
     earlier = [json.loads(line) for line in lines[:-1] if line.startswith("{")]
@@ -56,10 +62,11 @@ def check_result(obj: dict, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
+    # Each quick run is run once in the suite: offload_capacity's lines are checked by
+    # test_memory_sources.py (with its sources), onebit_comm's by test_benchmark_onebit_comm.py.
     [
-        "zero_memory", "overhead", "offload_capacity", "sparse_attention",
-        "onebit_comm", "onebit_convergence", "input_pipeline", "auto_plan", "fp8_convergence",
-        "zero_paths",
+        "zero_memory", "overhead", "sparse_attention", "onebit_convergence", "input_pipeline",
+        "auto_plan", "fp8_convergence", "zero_paths",
     ],
 )
 def test_quick_run_prints_a_result_line(name):

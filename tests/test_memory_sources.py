@@ -1,9 +1,6 @@
 """Every memory figure says where it comes from: compiled (XLA), arrays (shardings) or model."""
 
 import functools
-import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +10,7 @@ from jaxspeed.cost.memory import (
     HOST_NOTE, SOURCES, STREAM_NOTE, host_bytes, memory_report, sharded_bytes,
 )
 from jaxspeed.cost.report import format_memory
-from test_benchmarks import ROOT, load_benchmark
+from test_benchmarks import check_result, load_benchmark, quick_output, run_quick
 
 TINY = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
@@ -152,16 +149,15 @@ def test_offload_capacity_ratio_source(offload_source, ratio_source):
 
 @pytest.mark.slow
 def test_offload_capacity_quick_json_names_its_sources():
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/offload_capacity.py", "--quick"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    headline = json.loads(proc.stdout.strip().splitlines()[-1])
+    """`offload_capacity.py --quick` prints a well-formed result line (the suite's one run of
+    it), whose every figure names its source."""
+    (headline,) = run_quick("offload_capacity")
+    check_result(headline, "offload_capacity")
     assert headline["sources"] == {
         "jaxspeed": "arrays", "baseline": "arrays", "ratio": "model",
         "device_bytes": {"offload": "model", "baseline": "compiled"},
         "host_bytes_offload": "arrays", "compiled_total_bytes": "compiled",
     }
     assert headline["compiled_total_bytes"]["offload"] > headline["device_bytes"]["offload"]
-    assert "ratio source: model" in proc.stdout and "(source: model)" in proc.stdout
+    stdout = quick_output("offload_capacity")
+    assert "ratio source: model" in stdout and "(source: model)" in stdout
