@@ -26,7 +26,7 @@
 
 `--quick` calibrates at `calibrate`'s small sizes (`QUICK`: rougher figures, seconds instead of
 minutes), measures 3 plans of 2 layers at a short sequence after one warm-up step each (two
-otherwise), lets `plan --auto` compile 2 plans instead of 40, and skips the scenarios (tests).
+otherwise), lets `plan --auto` compile 1 plan instead of 40, and skips the scenarios (tests).
 """
 
 from __future__ import annotations
@@ -235,10 +235,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of one step of every plan; a plan's time is its median (default 16)")
     parser.add_argument("--verify", type=int, default=None,
-                        help="plans plan --auto compiles (default 40; --quick: 2)")
+                        help="plans plan --auto compiles (default 40; --quick: 1)")
     args = parser.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 16)
-    args.verify = args.verify or (2 if args.quick else 40)
+    args.verify = args.verify or (1 if args.quick else 40)
     _common.use_cpu_devices()
     lines = quality(args)
     if not args.quick:
