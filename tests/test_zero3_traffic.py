@@ -13,13 +13,16 @@ smaller than a block as it is, `zero_comm.worth_quantizing`): they differ by at 
 block's quantized bytes and its scale per leaf and collective execution, which is the bound
 asserted. The MoE's token exchange (all-to-alls over `expert`) is priced apart
 (`autoplan.moe_exchange`) and left out here.
+
+Nine cases are configs `test_zero_step` trains (layer by layer, offload, tensor2, both hpZ
+orders, layer/qg, both ZeRO++, expert2): in one process they reuse its engines and compiled
+steps (`test_zero_step.engine_for`), in another the persistent compilation cache's programs.
 """
 
 import math
 
 import pytest
 
-import jaxspeed as js
 from jaxspeed.autoplan import traffic
 from jaxspeed.autoplan.space import from_config
 from jaxspeed.cost import hlo
@@ -27,10 +30,12 @@ from jaxspeed.ops import quantize as qz
 from jaxspeed.ops.matmul import ENV
 from jaxspeed.runtime.mesh import HOST
 from test_engine import tiny_config
-from test_zero_step import NESTED_PIPELINE, _coordinates, _crosses_hosts
+from test_zero_step import NESTED_PIPELINE, _coordinates, _crosses_hosts, engine_for
 
 Z = "zero_optimization."
-HOSTS2 = ["mesh.data=8", "mesh.hosts=2", Z + "stage=3", Z + "collectives=explicit"]
+#: Stage 3 across two hosts: explicit (`collectives: auto`, asserted), so that a case whose
+#: config `test_zero_step` trains shares its engine and compiled step (`engine_for`).
+HOSTS2 = ["mesh.data=8", "mesh.hosts=2", Z + "stage=3"]
 LAYER, REMAT, BF16 = Z + "max_live_parameters=0", "activation_checkpointing.policy=full", "bf16.enabled=true"
 QW, QG = Z + "zero_quantized_weights=true", Z + "zero_quantized_gradients=true"
 TENSOR = ["mesh.data=4", "mesh.tensor=2"]  # 2 data x 2 tensor in each host
@@ -41,12 +46,14 @@ CASES = {
     "layer by layer": [LAYER],
     "layer/bf16/accum2": [LAYER, BF16, "gradient_accumulation_steps=2"],
     "layer/offload": [LAYER, Z + "offload_param.device=cpu", Z + "offload_optimizer.device=cpu"],
-    "layer/hpz": [LAYER, REMAT, Z + "zero_hpz_partition_size=4"],
+    # hpZ alone; with remat in the ZeRO++ cases (a layer's re-gather is far over their slack)
+    "layer/hpz": [LAYER, Z + "zero_hpz_partition_size=4"],
     # the blocks reordered after hpZ's stages (host-major, or an expert axis): before they were
     # marked as gathered, the step kept every gathered layer for the backward pass, and so it
     # did with `offload_param`; without remat, only the model's re-gathers show it
     "layer/hpz/host-major": [LAYER, Z + "zero_hpz_partition_size=4", Z + "shard_order=host"],
-    "qg": [QG],
+    # qgZ's gradients reduced layer by layer, and once a step (host-major)
+    "layer/qg": [LAYER, QG],
     "qg/host-major": [QG, Z + "shard_order=host"],
     "layer/zeropp": [LAYER, REMAT, BF16, QW, QG, Z + "zero_hpz_partition_size=4"],
     "tensor2/layer": [*TENSOR, LAYER],
@@ -99,7 +106,7 @@ def test_the_byte_model_is_what_the_compiled_zero3_step_moves(case, monkeypatch)
     489 KB of the model and of the native bf16 program (AVX2, jax 0.12.1). So the dots stay
     bf16 here, as on a GPU."""
     monkeypatch.setenv(ENV, "native")
-    engine = js.initialize(tiny_config(*HOSTS2, *CASES[case]))
+    engine = engine_for(tiny_config(*HOSTS2, *CASES[case]))
     assert engine.explicit_zero is not None
     priced, slack = _priced(engine.config, dict(engine.mesh.shape))
     compiled = _compiled(engine)
@@ -116,7 +123,7 @@ def test_the_byte_model_prices_each_pipeline_stages_zero3_collectives():
     loop step), so this compares what each moves: the model's collectives, buffer by buffer,
     are the compiled step's ZeRO collectives (the pipeline's own permutes and sums over `pipe`
     left out), and every one runs inside one stage's devices."""
-    engine = js.initialize(tiny_config(
+    engine = engine_for(tiny_config(
         "mesh.data=4", "mesh.pipe=2", "mesh.hosts=2", Z + "stage=3", LAYER,
         "pipeline.num_microbatches=2", Z + "zero_hpz_partition_size=2"))
     assert engine.explicit_zero is not None
