@@ -3,8 +3,8 @@ over one mesh axis that spans hosts in two stages (`jaxspeed.sharding.two_level`
 emulated devices.
 
 The inputs are small integers in floating point, so every sum is exact in any order and each
-result is held to the collective it replaces bit for bit; the engine's step to the sharding
-path at the suite's fp32 tolerance (`tests/numerics.py`).
+result is held to the collective it replaces bit for bit; the engine's step to a
+single-device reference at the suite's fp32 tolerance (`tests/numerics.py`).
 """
 
 import jax
@@ -22,14 +22,16 @@ from jaxspeed.sharding import zero_layout as zl
 from jaxspeed.train import zero_step
 from numerics import assert_adam_params_close
 from test_engine import LR, RHO, tiny_config
-from test_zero_step import Z, dataset, train  # noqa: F401  (dataset: a fixture)
+from test_zero_step import dataset  # noqa: F401  (a fixture)
+from test_zero_step import HOSTS2, Z, engine_of, params0, single_device, train
 
 N = 8
 AXES = ("data", "host")  # data-major, as jaxspeed.runtime.mesh.ZERO_AXES splits ZeRO
 
 
 def ints(key, shape):
-    return jax.random.randint(jax.random.key(key), shape, -8, 8).astype(jnp.float32)
+    """Small integers in fp32, drawn on the host (a jitted draw would compile for each shape)."""
+    return np.random.default_rng(key).integers(-8, 8, shape).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +67,11 @@ def test_two_level_collectives_equal_the_flat_ones(line, hosts):
                 jax.lax.psum_scatter(rows[0], "data", scatter_dimension=0)[None])
 
     specs = (P("data"), P("data")), (P("data"), P("data"))
-    for a, b in zip(mapped(line, ours, *specs)(x, rows), mapped(line, flat, *specs)(x, rows)):
+    staged = mapped(line, ours, *specs)  # one jit: its HLO below is the program that ran
+    for a, b in zip(staged(x, rows), mapped(line, flat, *specs)(x, rows)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # one message a device a stage: (hosts - 1) across, (8 / hosts - 1) inside
-    assert set(kinds(mapped(line, ours, *specs), x, rows)) == {"collective-permute"}
+    assert set(kinds(staged, x, rows)) == {"collective-permute"}
 
 
 #: Three leaves split on different dimensions: [3, 48] on 1, [16, 5] on 0, [32] on 0.
@@ -147,34 +150,28 @@ def test_a_group_over_an_axis_across_hosts_runs_in_two_stages(line, dtype):
 def test_leaves_gathered_per_layer_move_in_one_collective_a_layer():
     """The tiny GPT gathered layer by layer across 2 hosts: each layer's leaves in one
     all-gather (forward and recomputed backward) and one reduce-scatter."""
-    engine = zero_step_engine(["mesh.data=8", "mesh.hosts=2", Z + "max_live_parameters=0"])
+    engine = engine_of(*HOSTS2)  # test_zero_step's ZeRO-3 across hosts: compiled once
     text = engine.compile_train_step().as_text()
     per_layer = [op for op in hlo.collectives(text, num_devices=N) if op.executions > 1]
     assert sorted(op.kind for op in per_layer) == ["all-gather", "all-gather", "reduce-scatter"]
 
 
-def zero_step_engine(overrides):
-    import jaxspeed as js
-
-    return js.initialize(tiny_config(Z + "stage=3", *overrides))
-
-
-def test_a_data_axis_across_two_processes_trains_like_the_sharding_path(  # noqa: F811
+def test_a_data_axis_across_two_processes_trains_like_one_device(  # noqa: F811
         dataset, monkeypatch):
     """`mesh.data=8` over 2 processes (their count stubbed: this is one process): the step's
-    ZeRO collectives over `data` run in two stages, to the sharding path's losses and params."""
+    ZeRO collectives over `data` run in two stages, to one device's losses and params
+    (`test_zero_step.single_device`, from the same params)."""
     monkeypatch.setattr(zero_step, "process_count", lambda devices: 2)
     overrides = ["mesh.data=8", Z + "max_live_parameters=0", Z + "collectives=explicit"]
-    engine, state, losses = train(tiny_config(Z + "stage=3", *overrides), dataset, 2)
+    engine, state, losses = train(tiny_config(Z + "stage=3", *overrides), dataset, 2,
+                                  params=params0())
     assert engine.explicit_zero.switches.two_level == (("data", 2),)
     ops = {op.kind for op in hlo.collectives(engine.compile_train_step().as_text(),
                                              num_devices=N)}
     assert "collective-permute" in ops and not ops & {"all-gather", "reduce-scatter"}, ops
-    monkeypatch.undo()
-    _, base, base_losses = train(
-        tiny_config(Z + "stage=3", *overrides[:2], Z + "collectives=compiler"), dataset, 2)
-    np.testing.assert_allclose(losses, base_losses, rtol=RHO)
-    assert_adam_params_close(state.params, base.params, steps=2, lr=LR, rho=RHO)
+    ref_losses, ref_params = single_device(2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RHO)
+    assert_adam_params_close(state.params, ref_params, steps=2, lr=LR, rho=RHO)
 
 
 def test_a_groups_gradients_reduce_in_runs_of_whole_leaves():
@@ -191,7 +188,9 @@ def test_runs_of_whole_leaves_keep_the_step_peak_at_the_sharding_paths(layer_by_
     """In one buffer a group's gathered weights are held twice (the buffer and the leaves
     cut from it) and its fp32 gradients built at once: once per step, this 0.4M-param GPT
     peaked 10% over the sharding path. In runs of 16k elements it stays within 5% of it (the
-    issue's bound), and under the one-buffer step. Compiled peaks: deterministic.
+    issue's bound), and once per step under the one-buffer step (layer by layer, a layer's
+    one buffer already peaked under the sharding path, 3,301,896 against 3,317,240 bytes:
+    there only the bound is compiled). Compiled peaks: deterministic.
 
     The bf16 dots stay bf16, as on a GPU: on a CPU without bf16 units `jaxspeed.ops.matmul`
     widens them to fp32, and there the explicit step layer by layer peaked 1.42x the sharding
@@ -213,6 +212,8 @@ def test_runs_of_whole_leaves_keep_the_step_peak_at_the_sharding_paths(layer_by_
         })
         return step_peak(compiled_stats(initialize(config).compile_train_step()))
 
-    sharding, runs, one_buffer = peak("compiler", 2**14), peak("explicit", 2**14), peak("explicit", 2**30)
+    sharding, runs = peak("compiler", 2**14), peak("explicit", 2**14)
     assert runs <= 1.05 * sharding, (runs, sharding)
-    assert runs < one_buffer, (runs, one_buffer)
+    if not layer_by_layer:
+        one_buffer = peak("explicit", 2**30)
+        assert runs < one_buffer, (runs, one_buffer)
