@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from numerics import assert_close, program_rtol
-from test_onebit_engine import config, convergence_gaps, run
+from test_onebit_engine import config, convergence_engine, convergence_gaps, run
 
 import jaxspeed as js
 from jaxspeed.cost.hlo import collective_bytes
@@ -180,7 +180,8 @@ def test_eight_workers_with_one_gradient_are_one_worker_and_each_kind_moves_its_
         switched = (PARAMS, state)
         for count in range(STEPS):
             phase = zero_one_phase(count, **POLICY)
-            hlo.setdefault(phase, steps[phase].lower(params, state).compile().as_text())
+            if phase not in hlo:  # lowered and compiled once per kind, not at every step
+                hlo[phase] = steps[phase].lower(params, state).compile().as_text()
             updates, state = steps[phase](params, state)
             params = optax.apply_updates(params, updates)
             updates, s = steps[None](*switched)
@@ -227,47 +228,54 @@ def test_bad_config_is_a_one_line_error(params, match):
         js.initialize(config(ZERO_ONE, f"optimizer.params={params}"))
 
 
+#: The convergence run's 0/1 Adam: DeepSpeed's default var_update_scaler (16: the variance is
+#: updated at steps 1-16, then every 2nd step, then every 4th, up to the freeze at 60, the others
+#: averaging the gradient 1-bit compressed); after the freeze the sync interval grows 1, 2, 4
+#: (every 40 steps), so past step 140 the workers synchronise every 4th step only.
+CONVERGENCE_POLICY = dict(var_freeze_step=60, var_update_scaler=16, local_step_scaler=40,
+                          local_step_clipper=4)
+ADAM = ("Adam", "lr: 0.003")
+ZERO_ONE_ADAM = ("ZeroOneAdam", "lr: 0.003, " + ", ".join(
+    f"{name}: {value}" for name, value in CONVERGENCE_POLICY.items()))
+#: the convergence run (`convergence_engine`'s arguments): 300 steps of a two-layer model
+CONVERGENCE_RUN = dict(steps=300, warmup=30, layers=2)
+#: bound on the mean over seeds 0, 1, 2 of (0/1 Adam - Adam) / Adam, the final losses
+CONVERGENCE_MEAN_GAP = 0.025
+
+
 def test_engine_is_adam_before_the_first_gradient_step_and_moves_no_gradient_after():
-    """var_update_scaler 2: t = 1, 2 are variance steps (Adam on the averaged gradient), t = 3
-    a gradient step; after the freeze at 5, syncs and local steps with no fp32 traffic."""
-    adam = js.initialize(config("optimizer.type=Adam", "optimizer.params={lr: 0.01}"))
-    want, want_losses = run(adam, adam.init(jax.random.key(0)), 0, 2)
-    policy = "var_freeze_step: 5, var_update_scaler: 2, local_step_scaler: 1, local_step_clipper: 2"
-    engine = js.initialize(config(ZERO_ONE, f"optimizer.params={{lr: 0.01, {policy}}}"))
-    got, losses = run(engine, engine.init(jax.random.key(0)), 0, 2)
+    """The convergence test's engines (their steps compiled once for both tests): t = 1..16
+    are variance steps (Adam on the averaged gradient), t = 17 the first gradient step; after
+    the freeze at 60, syncs and local steps with no fp32 traffic."""
+    adam, engine = (convergence_engine(*optimizer, **CONVERGENCE_RUN)
+                    for optimizer in (ADAM, ZERO_ONE_ADAM))
+    want, want_losses = run(adam, adam.init(jax.random.key(0)), 0, 8)
+    got, losses = run(engine, engine.init(jax.random.key(0)), 0, 8)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
     # shard_map vs jit step: test_onebit_engine's Adam comparison and bound (an element whose
     # gradient is at rounding level moves by up to ~lr times its relative error)
     chex.assert_trees_all_close(got.params, want.params, rtol=1e-6, atol=2e-6)
     grad_bytes = 4 * count_params(engine.abstract_state().params)
-    kinds = [engine._phase(step) for step in range(9)]
-    assert kinds == ["variance", "variance", "gradient", "variance", "gradient",
-                     "sync", "local", "sync", "local"]
-    for step in (2, 5, 6):
-        moved = collective_bytes(engine.compile_train_step(step=step).as_text(), num_devices=8)
+    kinds = [engine._phase(step) for step in range(CONVERGENCE_RUN["steps"])]
+    assert kinds == deepspeed_policy(CONVERGENCE_RUN["steps"], **CONVERGENCE_POLICY)
+    first = {kind: kinds.index(kind) for kind in PHASES}
+    assert (first["variance"], first["gradient"], first["sync"]) == (0, 16, 60)
+    for kind in ("gradient", "sync", "local"):
+        moved = collective_bytes(engine.compile_train_step(step=first[kind]).as_text(),
+                                 num_devices=8)
         assert moved["all-reduce"] <= 16  # the loss and grad-norm scalars
-        assert moved["total"] < grad_bytes / 8 if kinds[step] != "local" else moved["total"] <= 16
-    state, after = run(engine, got, 2, 8)
+        assert moved["total"] < grad_bytes / 8 if kind != "local" else moved["total"] <= 16
+    _, after = run(engine, got, 8, first["gradient"] - 8 + 2)  # two gradient steps
     assert np.all(np.isfinite(after))
     assert engine.state_shardings.opt_state.mu_local["layers"]["mlp"]["wi"].spec[0] == (
         engine.onebit_axes)
 
 
-#: The convergence run's 0/1 Adam: DeepSpeed's default var_update_scaler (16: the variance is
-#: updated at steps 1-16, then every 2nd step, then every 4th, up to the freeze at 60, the others
-#: averaging the gradient 1-bit compressed); after the freeze the sync interval grows 1, 2, 4
-#: (every 40 steps), so past step 140 the workers synchronise every 4th step only.
-ZERO_ONE_CONVERGENCE = ("lr: 0.003, var_freeze_step: 60, var_update_scaler: 16, "
-                        "local_step_scaler: 40, local_step_clipper: 4")
-#: bound on the mean over seeds 0, 1, 2 of (0/1 Adam - Adam) / Adam, the final losses
-CONVERGENCE_MEAN_GAP = 0.025
-
-
 @pytest.mark.slow
 def test_converges_like_adam():
-    """300 steps, test_onebit_engine's schedule and measure (the mean of the last 20 losses,
-    the same data, init and decaying lr for both): 0/1 Adam's mean gap to Adam over 3 seeds is
-    at most +2.5%.
+    """300 steps, test_onebit_engine's measure (the mean of the last 20 losses, the same data,
+    init and decaying lr for both, here over 300 steps and on two layers): 0/1 Adam's mean gap
+    to Adam over 3 seeds is at most +2.5%.
 
     Measured (jax 0.12, -O0, 2-core AVX2 EPYC): per seed -3.2%, -4.3%, +1.2% (mean -2.1%: on
     this tiny model 0/1 Adam ends below Adam, so the bound is one-sided: a lower loss is not the
@@ -277,8 +285,14 @@ def test_converges_like_adam():
     (fewer variance steps, more 1-bit gradient steps in the lr warm-up) seed 0 alone was +18%;
     0/1 Adam with variance updates every step and a sync every step equals 1-bit Adam
     (+1.0% vs +1.9% on seed 0).
+
+    Not shortened as the 1-bit Adam and LAMB tests were: in runs of 120-200 steps (one or two
+    layers, the freeze at step 30 or 40, sync intervals up to 2 or 4) correct 0/1 Adam ended
+    +10% to +30% above Adam on some seeds, and the broken sync above stayed as close to Adam
+    as the correct one on others (seeds 4-7 of a 150-step one-layer run: broken +4.4%,
+    +10.7%, -2.2%, -0.9%; correct +3.4%, +9.7%, -1.0%, +3.0%).
     """
-    gaps = convergence_gaps(("Adam", "lr: 0.003"), ("ZeroOneAdam", ZERO_ONE_CONVERGENCE))
+    gaps = convergence_gaps(ADAM, ZERO_ONE_ADAM, **CONVERGENCE_RUN)
     assert np.mean(gaps) <= CONVERGENCE_MEAN_GAP, np.round(gaps, 4).tolist()
 
 
