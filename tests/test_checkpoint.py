@@ -20,6 +20,7 @@ from jaxspeed.checkpoint import Checkpointer, CheckpointError
 from jaxspeed.data import TokenDataset
 from jaxspeed.errors import REQUEUE_EXIT_CODE
 from jaxspeed.train.loop import NonFiniteLoss, train
+from jaxspeed.train.trained import load_trained
 from numerics import gpt_rtol
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +106,26 @@ def test_restore_onto_another_mesh_and_stage(tmp_path, dataset, saved, restored)
     rho = gpt_rtol(tokens=8 * 16, d_model=32, d_ff=64, n_layers=2, vocab=256)
     np.testing.assert_allclose(moved_losses, never_moved, rtol=rho)
 
+
+def test_load_trained_rebuilds_a_run_on_one_device(tmp_path, dataset):
+    """A ZeRO-3 run on 8 devices, rebuilt from its checkpoint alone on one: its saved config
+    describes the engine (the mesh made for one device), Orbax gathers each array exactly."""
+    engine = engine_of("mesh.data=8", "zero_optimization.stage=3")
+    state, _ = run(engine, engine.init(jax.random.key(0)), dataset, 2)
+    engine.save(state, directory=tmp_path / "run")
+    engine.checkpointer(tmp_path / "run").wait()
+
+    rebuilt, restored = load_trained(tmp_path / "run", devices=jax.devices()[:1])
+    assert rebuilt.mesh.size == 1 and rebuilt.config.model == engine.config.model
+    assert int(restored.step) == 2
+    chex.assert_trees_all_equal(jax.device_get(restored.params), jax.device_get(state.params))
+    chex.assert_trees_all_equal(jax.device_get(restored.opt_state),
+                                jax.device_get(state.opt_state))
+
+    bare = Checkpointer(tmp_path / "bare", async_save=False)  # a record without its config
+    bare.save(state, meta={"step": 2})
+    with pytest.raises(CheckpointError, match="no saved config"):
+        load_trained(tmp_path / "bare")
 
 def test_incompatible_checkpoint_names_the_leaf(tmp_path):
     engine = engine_of("mesh.data=8", "zero_optimization.stage=0")  # its init compiled above

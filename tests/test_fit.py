@@ -5,7 +5,8 @@ import json
 import pytest
 
 from jaxspeed.config import load_config, resolve_batch
-from jaxspeed.cost.fit import DoesNotFit, Fit, candidate_changes, check_fit, compiled_device_bytes
+from jaxspeed.cost.fit import DoesNotFit, Fit, candidate_changes, check_fit
+from jaxspeed.train.fit_check import compiled_device_bytes
 from jaxspeed.train.loop import train
 
 from test_cli import TINY, run_cli, write

@@ -5,8 +5,9 @@ stage), params-only checkpoints (`params`: one `.npy` per array, for `checkpoint
 the raw file writer both use (`direct_io`), consolidated exports (`export`) and Hugging Face
 Llama, Mistral and Qwen2 folders in and out (`hf`).
 
-May import: `config`, `runtime`, `models`, and (`export.load_trained`, which rebuilds a trained
-run's engine) `train`. `state`, `params` and `direct_io` import nothing above `jaxspeed.errors`.
+May import: `config`, `runtime`, `models`; `state`, `params` and `direct_io` import nothing above
+`jaxspeed.errors`. Rebuilding a trained run's engine from its checkpoint is `train`'s
+(`jaxspeed.train.trained.load_trained`).
 """
 
 from jaxspeed.checkpoint.state import Checkpointer, CheckpointError

@@ -25,19 +25,8 @@ from flax import serialization
 from jaxspeed.checkpoint import params as params_checkpoint
 from jaxspeed.checkpoint.orbax_noise import orphaned_reads_quiet
 from jaxspeed.checkpoint.state import Checkpointer, CheckpointError, unreadable
-from jaxspeed.config import load_config
-from jaxspeed.runtime.mesh import make_mesh
 from jaxspeed.runtime.progress import phase
 
-#: The saved run's batch and mesh do not matter for reading params: one row per replica...
-_ONE_ROW = [
-    "train_batch_size=null", "train_micro_batch_size_per_device=1", "gradient_accumulation_steps=1",
-]
-#: ... on one device,
-_ONE_DEVICE = ["mesh.pipe=1", "mesh.data=1", "mesh.sequence=1", "mesh.expert=1", "mesh.tensor=1",
-               "mesh.hosts=auto"]
-#: ... or on several: no pipeline or sequence split, the rest of the devices on `data`.
-_SEVERAL_DEVICES = ["mesh.pipe=1", "mesh.sequence=1", "mesh.data=-1", "mesh.hosts=auto"]
 #: Where `jaxspeed train` writes a run's checkpoints, inside its output folder.
 RUN_CHECKPOINTS = "checkpoints"
 
@@ -62,7 +51,12 @@ def _has_steps(directory: Path) -> bool:
     return any(p.is_dir() and p.name.isdigit() for p in directory.iterdir())
 
 
-def _train_checkpoint(directory: Path) -> Checkpointer:
+def train_checkpoint(directory: Path) -> Checkpointer:
+    """The `Checkpointer` of a train-state checkpoint directory that holds a complete step.
+
+    Raises:
+      CheckpointError: it holds none.
+    """
     ckpt = Checkpointer(directory)
     if not ckpt.all_steps():
         raise CheckpointError(
@@ -128,7 +122,7 @@ def read_params(checkpoint: str | Path, *, step: int | None = None,
         if check is not None:
             check(record["model"])
         return params_checkpoint.open_params(directory), record["model"], record
-    ckpt = _train_checkpoint(directory)
+    ckpt = train_checkpoint(directory)
     step = ckpt.latest_step() if step is None else step
     if step not in ckpt.all_steps():
         raise CheckpointError(
@@ -162,28 +156,3 @@ def _restore_params(state_dir: Path) -> Any:
         raise unreadable(step_dir.parent, int(step_dir.name), err) from err
     return restored["params"]
 
-
-def load_trained(checkpoint_dir: str | Path, *, step: int | None = None, devices=None,
-                 overrides: list[str] | None = None):
-    """The engine a checkpoint's saved config describes, on `devices`, and its state.
-
-    The mesh is rebuilt for `devices` (default all): `pipe`, `sequence` and `data` are
-    dropped to 1 and the rest of the devices fill `data`, unless `overrides` say otherwise
-    (on one device, every axis is 1). Orbax reads each array straight into the new plan.
-    For the params alone, `read_params` reads less and builds no engine.
-    """
-    from jaxspeed.train.engine import initialize  # up the table: `train` saves checkpoints
-
-    ckpt = _train_checkpoint(checkpoint_directory(checkpoint_dir))
-    meta = ckpt.read_meta(step)
-    if "config" not in meta:
-        raise CheckpointError(
-            f"checkpoint in {ckpt.directory} has no saved config; restore it with the engine "
-            "that wrote it (engine.restore)"
-        )
-    devices = list(devices) if devices is not None else jax.devices()
-    mesh = _ONE_DEVICE if len(devices) == 1 else _SEVERAL_DEVICES
-    config = load_config(meta["config"], overrides=[*mesh, *_ONE_ROW, *(overrides or [])])
-    engine = initialize(config, mesh=make_mesh(config.mesh, devices=devices))
-    state, _ = ckpt.restore(engine.abstract_state(), step=step)
-    return engine, state

@@ -65,7 +65,8 @@ def plan_command(args) -> int:
     if args.apply:
         raise JaxspeedError("--apply goes with --auto")
     from jaxspeed.train.engine import initialize
-    from jaxspeed.cost.fit import device_memory, engine_verdict
+    from jaxspeed.cost.fit import device_memory
+    from jaxspeed.train.fit_check import engine_verdict
     from jaxspeed.cost.report import format_plan
 
     config = load_config_args(args)

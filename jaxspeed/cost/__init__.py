@@ -1,12 +1,13 @@
 """The cost of a plan before step 0, read from the compiled program.
 
 Owns the HLO text parser and the collectives it finds (`hlo`), FLOP counts and the roofline
-(`flops`), accelerator peaks and MFU (`peaks`), the per-device memory report (`memory`), the
-"will it fit?" verdict (`fit`) and the plan table (`report`).
+(`flops`), accelerator peaks and MFU (`peaks`), an engine's step profile (`profile`), the per-
+device memory report (`memory`), the "will it fit?" verdict (`fit`) and the plan table
+(`report`).
 
-May import: `config`, `ops`, `sharding`, `network` (the collective kinds). `fit` compiles
-candidate configs through `jaxspeed.train.initialize`, imported inside the function, so
-`train` may import `cost`.
+May import: `config`, `ops`, `sharding`, `runtime`, `network` (the collective kinds). `fit`
+checks the configs it is given a compile for (`jaxspeed.train.fit_check` compiles them through
+`initialize`), so nothing here imports `train`.
 """
 
 # The public names of the old `jaxspeed.profiler`, split into `hlo`, `flops` and `peaks`

@@ -4,7 +4,8 @@ The verdict compares the compiled step's per-device *device* bytes (`memory_repo
 device memory (`hardware.device_memory`, `--device-memory`, or what the accelerator reports).
 A plan that does not fit gets a suggestion: config changes tried cheapest first (a higher ZeRO
 stage costs only communication; rematerialisation costs compute; offload costs host transfers;
-a smaller micro-batch costs throughput), each checked by compiling it.
+a smaller micro-batch costs throughput), each checked by compiling it. `check_fit` is given the compile: for an engine,
+`jaxspeed.train.fit_check.engine_verdict` builds each candidate through `initialize`.
 """
 
 from __future__ import annotations
@@ -193,31 +194,3 @@ def _bytes_source(value: tuple[int, str]) -> tuple[int, str]:
     used, source = value
     return int(used), str(source)
 
-
-def _device_bytes(report: dict[str, Any]) -> tuple[int, str]:
-    return report["per_device_bytes"]["device"], report["sources"]["device"]
-
-
-def compiled_device_bytes(config: Config, *, mesh=None) -> int:
-    """Per-device device bytes of the reference GPT's compiled train step under `config`."""
-    return _device_bytes(_memory_report(config, mesh))[0]
-
-
-def _memory_report(config: Config, mesh) -> dict[str, Any]:
-    from jaxspeed.train.engine import initialize
-
-    return initialize(config, mesh=mesh).memory_report()
-
-
-def engine_verdict(engine, budget: int, *, suggest: bool = True) -> Verdict:
-    """`check_fit` for an engine of the reference GPT; suggestions compile on its mesh."""
-    report = engine.memory_report()
-
-    def device_bytes(config: Config) -> tuple[int, str]:
-        if config is engine.config:
-            return _device_bytes(report)
-        return _device_bytes(_memory_report(config, engine.mesh))
-
-    return check_fit(
-        engine.config, budget, batch=engine.batch_sizes, device_bytes=device_bytes, suggest=suggest
-    )

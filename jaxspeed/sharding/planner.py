@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -79,6 +80,11 @@ class Plan:
         return self._shardings("opt")
 
     @property
+    def param_count(self) -> int:
+        """The number of parameters the plan places."""
+        return sum(math.prod(leaf.shape) for _, leaf in flatten_leaf_plans(self.leaves))
+
+    @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
@@ -89,6 +95,11 @@ class Plan:
         shape = (self.data_parallel_size, self.sequence_size) + (1,) * (ndim - 2)
         spec, _ = logical_to_spec(logical, shape[:ndim], self.mesh.shape, self.rules)
         return NamedSharding(self.mesh, spec)
+
+    def micro_batch_sharding(self, ndim: int) -> NamedSharding:
+        """Sharding of a batch array of rank `ndim` split into micro-batches (leading axis):
+        each micro-batch as `batch_sharding`."""
+        return NamedSharding(self.mesh, P(None, *self.batch_sharding(ndim - 1).spec))
 
     @property
     def sequence_size(self) -> int:

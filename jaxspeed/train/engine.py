@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,30 +13,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxspeed.ops import precision
 from jaxspeed.train.adapters import ModelFns, model_fns
 from jaxspeed.train.assembly import (
     check_mesh, check_supported, onebit_axes, reference_gpt, step_objective,
 )
+from jaxspeed.checkpoint.engine_checkpoints import EngineCheckpoints
 from jaxspeed.checkpoint.state import Checkpointer
 from jaxspeed.config import Config, load_config, resolve_batch
-from jaxspeed.cost.flops import jaxpr_flops, step_profile
+from jaxspeed.cost.flops import jaxpr_flops
 from jaxspeed.cost.memory import MemoryReport, memory_report
+from jaxspeed.cost.profile import profile
 from jaxspeed.cost.report import ProfileReport
 from jaxspeed.data.dataset import make_global_batch
-from jaxspeed.errors import ConfigError
 from jaxspeed.ops.losses import lm_loss
-from jaxspeed.runtime.mesh import PIPE, data_parallel_size, host_of_devices, make_mesh
+from jaxspeed.runtime.mesh import PIPE, data_parallel_size, make_mesh
 from jaxspeed.optim import build_optimizer
-from jaxspeed.sharding import LeafPlan, Plan, plan_sharding
+from jaxspeed.sharding import Plan, plan_sharding
 from jaxspeed.sharding.rules import DEFAULT_RULES
-from jaxspeed.ops.offload import DEVICE, HOST, with_memory_kind
-from jaxspeed.train.onebit_step import onebit_train_step, state_specs as onebit_state_specs
-from jaxspeed.optim.factory import onebit_phases
+from jaxspeed.train.onebit_step import onebit_train_steps
 from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
-from jaxspeed.train.step import OffloadSpec, StepSpec, TrainState, eval_step, train_step
+from jaxspeed.train.step import StepSpec, TrainState, eval_step, offload_spec, train_step
 from jaxspeed.train.zero_step import explicit_zero, gathered_once, host_major, runs_explicit
 
 
@@ -64,11 +61,11 @@ class Engine:
         host_update = config.zero_optimization.offload_optimizer.update_on == "host"
         self.onebit_axes = onebit_axes(config, mesh)
         self._returned = (None, 0)  # the state.step the last 1-bit step returned, its count
-        self._streams = getattr(model, "stream_layers", None) is not None
         self.tx, self.schedule = build_optimizer(
             config, clip_outside=host_update, axis_name=self.onebit_axes, plan=plan)
         self.compute_dtype = precision.compute_dtype(config)
-        self._checkpointers: dict[str, Checkpointer] = {}
+        #: checkpoints saved from and restored into this engine's state and shardings
+        self.checkpoints = EngineCheckpoints(config, self.abstract_state)
         self._compiled: dict[str | None, Any] = {}
         pipelined = mesh.shape.get(PIPE, 1) > 1
         #: ZeRO-3 with explicit collectives (`jaxspeed.train.zero_step`), or None
@@ -85,9 +82,12 @@ class Engine:
             accumulation=1 if pipelined else self.batch_sizes.accumulation_steps,
             compute_dtype=self.compute_dtype,
             grad_shardings=plan.grads,
-            micro_sharding=self._micro_sharding,
+            micro_sharding=plan.micro_batch_sharding,
             fp16=config.fp16 if config.fp16.enabled else None,
-            offload=self._offload_spec(),
+            offload=offload_spec(
+                plan, update_on_host=host_update, clip=config.gradient_clipping,
+                streams=getattr(model, "stream_layers", None) is not None,
+                abstract_opt_state=lambda: self._abstract_opt_state),
             gathered_params=(None if self.explicit_zero is not None
                              else gathered_once(config, mesh, plan, self.param_count)),
             explicit_zero=self.explicit_zero,
@@ -101,15 +101,9 @@ class Engine:
             jax.jit, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
         )
         if self.onebit_axes:  # one compiled step per phase, switched by the step count
-            self._phases, self._phase_of = onebit_phases(config.optimizer)
-            specs = onebit_state_specs(self.abstract_state(), self.onebit_axes)
-            self._train = {
-                phase: jit_step(functools.partial(
-                    onebit_train_step, self._spec, mesh=mesh, axes=self.onebit_axes,
-                    rules=plan.rules, phase=phase, specs=specs,
-                ))
-                for phase in self._phases
-            }
+            self._train, self._phases, self._phase_of = onebit_train_steps(
+                self._spec, config.optimizer, self.abstract_state(), mesh=mesh,
+                axes=self.onebit_axes, rules=plan.rules, jit=jit_step)
         else:
             self._train = {None: jit_step(functools.partial(train_step, self._spec, dp))}
         self._eval = jax.jit(functools.partial(eval_step, self._spec, dp), in_shardings=(shardings, None))
@@ -125,33 +119,7 @@ class Engine:
     @property
     def param_count(self) -> int:
         """The model's number of parameters."""
-        leaves = jax.tree.leaves(self.plan.leaves, is_leaf=lambda x: isinstance(x, LeafPlan))
-        return sum(math.prod(leaf.shape) for leaf in leaves)
-
-    def _offload_spec(self) -> OffloadSpec | None:
-        """Device/host shardings the step moves offloaded state between (None: no offload)."""
-        plan = self.plan
-        if plan.param_memory == DEVICE and plan.opt_memory == DEVICE:
-            return None
-        params = plan.params_on_device if plan.param_memory != DEVICE else None
-        streamed = None
-        if params is not None and self._streams:  # the model's scanned stack
-            streamed = jax.tree.map(
-                lambda leaf: leaf.logical[:1] == ("layers",), plan.leaves,
-                is_leaf=lambda x: isinstance(x, LeafPlan),
-            )
-        if self.config.zero_optimization.offload_optimizer.update_on == "host":
-            host_update = (
-                with_memory_kind(plan.grads, HOST),
-                with_memory_kind(plan.params_on_device, HOST),
-                plan.replicated.with_memory_kind(HOST),
-            )
-            clip = self.config.gradient_clipping
-            return OffloadSpec(params=params, host_update=host_update, clip=clip, streamed=streamed)
-        opt_state = None
-        if plan.opt_memory != DEVICE:
-            opt_state = plan.opt_state_shardings(self._abstract_opt_state, memory_kind=DEVICE)
-        return OffloadSpec(params=params, opt_state=opt_state, streamed=streamed)
+        return self.plan.param_count
 
     @property
     def streamed_params(self):
@@ -159,10 +127,6 @@ class Engine:
         param layer by layer (`offload_param` with the reference GPT); None: no streaming."""
         off = self._spec.offload
         return off.streamed if off is not None else None
-
-    def _micro_sharding(self, ndim: int) -> NamedSharding:
-        batch = self.plan.batch_sharding(ndim - 1).spec
-        return NamedSharding(self.mesh, P(None, *batch))
 
     def batch_sharding(self, ndim: int = 2) -> NamedSharding:
         """Sharding of a global batch array of rank `ndim` (rows over the data-parallel axes)."""
@@ -299,44 +263,28 @@ class Engine:
             return jaxpr_flops(step, self.abstract_state(), self.abstract_batch())
 
     def profile(self) -> ProfileReport:
-        """FLOPs, the device's peak, and collective bytes per device of the compiled step."""
-        device = self.mesh.devices.flat[0]
-        return step_profile(
-            self.compile_train_step(), flops=self.step_flops(), num_devices=self.mesh.size,
-            device_kind=device.device_kind, peak_tflops=self.config.hardware.peak_tflops,
-            host_of=host_of_devices(self.mesh),
-        )
-
-    # -- checkpoints -------------------------------------------------------------------------
-    def checkpointer(self, directory: str | Path | None = None) -> Checkpointer:
-        """The `Checkpointer` for `directory` (default `checkpoint.dir` of the config)."""
-        directory = directory if directory is not None else self.config.checkpoint.dir
-        if directory is None:
-            raise ConfigError("no checkpoint directory: set checkpoint.dir or pass directory=")
-        key = str(Path(directory).absolute())
-        if key not in self._checkpointers:
-            ckpt = self.config.checkpoint
-            self._checkpointers[key] = Checkpointer(key, keep=ckpt.keep, async_save=ckpt.async_)
-        return self._checkpointers[key]
-
-    def save(self, state: TrainState, *, directory=None, meta: dict | None = None) -> int:
-        """Saves `state` with Orbax (atomic; async when `checkpoint.async`). Returns the step."""
-        meta = {"step": int(jax.device_get(state.step)), "config": self.config.to_dict(), **(meta or {})}
-        return self.checkpointer(directory).save(state, meta=meta)
-
-    def restore(self, *, directory=None, step: int | None = None) -> TrainState:
-        """Restores the newest (or `step`) checkpoint onto this engine's mesh and plan.
-
-        The checkpoint may come from another mesh, ZeRO stage or tensor-parallel degree:
-        Orbax reads each array straight into this engine's shardings.
-        """
-        state, _ = self.checkpointer(directory).restore(self.abstract_state(), step=step)
-        return state
+        """FLOPs, the device's peak, and collective bytes per device of the compiled step
+        (`jaxspeed.cost.profile.profile`)."""
+        return profile(self)
 
     def memory_report(self) -> MemoryReport:
         """Per-device bytes by category, estimated from shardings and read from the compiled
         step (`jaxspeed.cost.memory.memory_report`)."""
         return memory_report(self)
+
+    # -- checkpoints: `self.checkpoints`' (`EngineCheckpoints`) -------------------------------
+    def checkpointer(self, directory: str | Path | None = None) -> Checkpointer:
+        """The `Checkpointer` for `directory` (default `checkpoint.dir` of the config)."""
+        return self.checkpoints.checkpointer(directory)
+
+    def save(self, state: TrainState, *, directory=None, meta: dict | None = None) -> int:
+        """Saves `state` with Orbax (atomic; async when `checkpoint.async`). Returns the step."""
+        return self.checkpoints.save(state, directory=directory, meta=meta)
+
+    def restore(self, *, directory=None, step: int | None = None) -> TrainState:
+        """Restores the newest (or `step`) checkpoint onto this engine's mesh and plan, from
+        any mesh, ZeRO stage or tensor-parallel degree."""
+        return self.checkpoints.restore(directory=directory, step=step)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,8 @@ from jaxspeed.config import Config
 from jaxspeed.data.dataset import TokenDataset
 from jaxspeed.train.engine import Engine, initialize
 from jaxspeed.errors import REQUEUE_EXIT_CODE, ConfigError, JaxspeedError
-from jaxspeed.cost.fit import DoesNotFit, device_memory, engine_verdict
+from jaxspeed.cost.fit import DoesNotFit, device_memory
+from jaxspeed.train.fit_check import engine_verdict
 from jaxspeed.data.grain_loader import GrainTokenDataset, make_dataset
 from jaxspeed.train.metrics_log import MetricsLog, Throughput, TrainRecord, last_record
 from jaxspeed.train.resume import (

@@ -16,6 +16,8 @@ parallelism inside a data shard works as in the ordinary step.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -26,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspeed.ops import precision
 from jaxspeed.errors import ConfigError
+from jaxspeed.optim.factory import onebit_phases
 from jaxspeed.optim.onebit import PHASE_ARG, onebit_state_specs
 from jaxspeed.optim.zero_one_adam import worker_params
 from jaxspeed.train.step import StepSpec, TrainState, _loss_and_grads
@@ -117,3 +120,18 @@ def onebit_train_step(
         local, mesh=mesh, in_specs=(specs, batch_specs), out_specs=(specs, P()),
         axis_names=set(axes),
     )(state, batch)
+
+
+def onebit_train_steps(spec: StepSpec, optimizer_config, abstract_state: TrainState, *, mesh,
+                       axes: tuple[str, ...], rules, jit: Callable[[Callable], Callable]):
+    """One step per phase of the 1-bit optimizer `optimizer_config`, each wrapped in `jit`
+    (with the state's shardings): `({phase: step}, phases, phase_of)`, `phase_of(step)` naming
+    the phase to run at a step count (`jaxspeed.optim.factory.onebit_phases`)."""
+    phases, phase_of = onebit_phases(optimizer_config)
+    specs = state_specs(abstract_state, axes)
+    steps = {
+        phase: jit(functools.partial(onebit_train_step, spec, mesh=mesh, axes=axes, rules=rules,
+                                     phase=phase, specs=specs))
+        for phase in phases
+    }
+    return steps, phases, phase_of

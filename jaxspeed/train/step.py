@@ -14,6 +14,7 @@ import optax
 from jaxspeed.ops import offload
 from jaxspeed.ops import precision
 from jaxspeed.ops.losses import LOGIT_MAX, mean_extras, sum_extras, zero_extras
+from jaxspeed.sharding import LeafPlan, Plan
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -62,6 +63,33 @@ class OffloadSpec(NamedTuple):
     clip: float = 0.0
     streamed: Any = None
 
+
+def offload_spec(plan: Plan, *, update_on_host: bool, clip: float, streams: bool,
+                 abstract_opt_state: Callable[[], Any]) -> OffloadSpec | None:
+    """Device/host shardings the step moves `plan`'s offloaded state between (None: no
+    offload). `update_on_host`: `offload_optimizer.update_on` is "host", clipping to `clip`;
+    `streams`: the model fetches its scanned layer stack itself (`stream_layers`);
+    `abstract_opt_state()`: the optimizer state's shapes, read only when it is offloaded."""
+    if plan.param_memory == offload.DEVICE and plan.opt_memory == offload.DEVICE:
+        return None
+    params = plan.params_on_device if plan.param_memory != offload.DEVICE else None
+    streamed = None
+    if params is not None and streams:  # the model's scanned stack
+        streamed = jax.tree.map(
+            lambda leaf: leaf.logical[:1] == ("layers",), plan.leaves,
+            is_leaf=lambda x: isinstance(x, LeafPlan),
+        )
+    if update_on_host:
+        host_update = (
+            offload.with_memory_kind(plan.grads, offload.HOST),
+            offload.with_memory_kind(plan.params_on_device, offload.HOST),
+            plan.replicated.with_memory_kind(offload.HOST),
+        )
+        return OffloadSpec(params=params, host_update=host_update, clip=clip, streamed=streamed)
+    opt_state = None
+    if plan.opt_memory != offload.DEVICE:
+        opt_state = plan.opt_state_shardings(abstract_opt_state(), memory_kind=offload.DEVICE)
+    return OffloadSpec(params=params, opt_state=opt_state, streamed=streamed)
 
 #: `(params, batch, rng, train) -> (loss, extras)`: the scalar to minimise (auxiliary losses
 #: included) and a dict of extra scalar metrics (e.g. `aux_loss`), both float32. A model with
