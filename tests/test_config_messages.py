@@ -61,6 +61,26 @@ def test_file_and_flag_errors_in_one_line(tmp_path, capsys):
     assert "invalid --set optimizer.params.lr=abc: optimizer.params.lr" in err
 
 
+def test_every_error_of_a_config_in_one_message(tmp_path, capsys):
+    """MoE options, the optimizer and a rule across sections, all broken in one file: one
+    line names each, the cross-field rule although other sections did not validate."""
+    bad = {**TINY, "model": {**TINY["model"], "moe": {"num_experts": 4, "k": 8,
+                                                      "gate_noise": -1.0}},
+           "optimizer": {"type": "Lamb", "params": {"lr": 0.01, "min_coeff": 2.0,
+                                                    "max_coeff": 1.0}},
+           "bf16": {"enabled": True}, "fp16": {"enabled": True}}
+    err = cli_error(capsys, ["plan", write(tmp_path, "bad.json", bad)])
+    for text in ("MoE.k must be <= num_experts=4, got k=8", "MoE.gate_noise must be >= 0",
+                 "need 0 <= min_coeff <= max_coeff", "bf16.enabled and fp16.enabled are both"):
+        assert text in err, err
+    # a rule reading an invalid section is not run on its defaults: model.max_seq_len is
+    # 32 in the file, the default 256 would let seq_len 64 pass
+    bad["data"] = {**TINY["data"], "seq_len": 64}
+    with pytest.raises(ConfigError) as raised:
+        load_config(bad)
+    assert "data.seq_len" not in str(raised.value)
+    assert "bf16.enabled and fp16.enabled" in str(raised.value)
+
 def test_missing_load_from_says_it_does_not_exist(tmp_path, capsys):
     config = write(tmp_path, "tiny.json", TINY)
     missing = tmp_path / "no" / "such"

@@ -208,8 +208,9 @@ def _looks_like_path(spec: str) -> bool:
     return os.sep in spec or "/" in spec or Path(spec).suffix.lower() in (".yaml", ".yml", ".json")
 
 
-# `jaxspeed.config.loading._describe` words errors for `Config` (its key hints look up Config's
-# sections), so cluster errors get their own wording: `key.path must be > 0, got 0`.
+# `jaxspeed.config.validation_errors.describe_error` words errors for `Config` (its key hints
+# look up Config's sections), so cluster errors get their own wording: `key.path must be > 0,
+# got 0`.
 _BOUNDS: Mapping[str, tuple[str, str]] = types.MappingProxyType(
     {
         "greater_than": ("gt", ">"),

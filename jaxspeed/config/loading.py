@@ -7,19 +7,16 @@ did-you-mean for misspelt keys), each under what set it: the file, or the overri
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import re
-import typing
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, TypeAdapter, ValidationError
-from pydantic.fields import FieldInfo
+from pydantic import TypeAdapter, ValidationError
 
 from jaxspeed.config.deepspeed import (
     DEEPSPEED_RENAMED,
@@ -29,8 +26,10 @@ from jaxspeed.config.deepspeed import (
 )
 from jaxspeed.config.deepspeed_auto import DeepSpeedAutoWarning, describe_auto, resolve_auto
 from jaxspeed.config.key_paths import Problem, _insert, _plain
-from jaxspeed.config.schema import Config
-from jaxspeed.errors import ConfigError, did_you_mean
+from jaxspeed.config.cross_field import cross_field_errors
+from jaxspeed.config.schema import CROSS_FIELD, Config
+from jaxspeed.config.validation_errors import describe_error, key_path
+from jaxspeed.errors import ConfigError
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -146,7 +145,8 @@ def load_config(
     try:
         config = Config.model_validate(tree)
     except ValidationError as err:
-        problems += [Problem(_key_path(e["loc"]).path, _describe(e)) for e in err.errors()]
+        problems += [Problem(key_path(e["loc"]).path, describe_error(e)) for e in err.errors()]
+        problems += [Problem("", text) for text in _rules_over_valid_sections(tree, err)]
     if problems:
         keys = [text.partition("=")[0].strip() if isinstance(text, str) else "" for text in renamed]
         raise ConfigError(_message(problems, where=where, overrides=list(zip(keys, names))))
@@ -156,6 +156,20 @@ def load_config(
     if file is not None and not {"model", "data"} <= tree.keys():
         warnings.warn(_defaults_notice(file, tree, config), DefaultSectionsWarning, stacklevel=2)
     return config
+
+
+def _rules_over_valid_sections(tree: Any, err: ValidationError) -> list[str]:
+    """The cross-field rules' messages over the sections of `tree` that are valid, when others
+    are not (`Config`'s own validator runs only on a whole valid config)."""
+    failed = frozenset(str(e["loc"][0]) for e in err.errors() if e["loc"])
+    if not failed or not isinstance(tree, Mapping):
+        return []
+    valid = {key: value for key, value in tree.items() if key not in failed}
+    try:
+        partial = Config.model_validate(valid, context={CROSS_FIELD: False})
+    except ValidationError:  # an error only the whole config shows: already reported
+        return []
+    return cross_field_errors(partial, skip=failed)
 
 
 def _message(problems: Sequence[Problem], *, where: str, overrides: Sequence[tuple[str, str]]) -> str:
@@ -260,102 +274,6 @@ def _renamed_override(text: str) -> str:
     return text
 
 
-def _describe(error: Mapping[str, Any]) -> str:
-    """One line for one pydantic error: `key.path: message (got VALUE)`."""
-    where = _key_path(error["loc"])
-    path, kind, value = where.path, error["type"], error.get("input")
-    if kind == "union_tag_invalid":
-        key, tag = error["ctx"]["discriminator"].strip("'"), error["ctx"]["tag"]
-        accepted = [name.strip(" '") for name in error["ctx"]["expected_tags"].split(",")]
-        return (
-            f"{path}.{key}: unknown {path} {key} {tag!r}; accepted: {', '.join(accepted)}"
-            + did_you_mean(tag, accepted)
-        )
-    if kind == "missing":
-        needed_by = f" for {where.tag}" if where.tag and where.section is not None else ""
-        return f"{path} is required{needed_by}"
-    shown = kind == "value_error" and (isinstance(value, Mapping) or repr(value) in error["msg"])
-    got = "" if shown else f" (got {_short_repr(value)})"
-    if kind == "extra_forbidden":
-        return f"{path}: unknown key{got}{_unknown_key_hint(str(error['loc'][-1]), where.section)}"
-    message = error["msg"].removeprefix("Value error, ")
-    return f"{path}: {message}{got}" if path else f"{message}{got}"
-
-
-def _unknown_key_hint(key: str, section: type[BaseModel] | None) -> str:
-    """Where `key` belongs, else the closest accepted key of `section`, else all of them."""
-    if section is not None and key in section.moved_keys:
-        return f"; use {section.moved_keys[key]} instead"
-    fields = {} if section is None else section.model_fields
-    accepted = [field.alias or name for name, field in fields.items()]
-    close = difflib.get_close_matches(key, accepted, n=1)
-    if close:
-        return f"; did you mean {close[0]!r}?"
-    return f"; accepted keys: {', '.join(accepted) or '(none)'}"
-
-
-def _short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class _KeyPath(NamedTuple):
-    """Where a pydantic error is, in the config's own keys."""
-
-    #: the dotted key path (`optimizer.params.lr`), without the tags of tagged unions
-    path: str
-    #: the section that holds the path's last key (None when that is not a section)
-    section: type[BaseModel] | None
-    #: the tagged-union member the path runs through (`scheduler.type WarmupCosine`), or ""
-    tag: str
-
-
-def _key_path(loc: Sequence[Any]) -> _KeyPath:
-    """Reads a pydantic error location as a key path into `Config`.
-
-    Pydantic puts the tag of a tagged union after its key (`optimizer.AdamW.params.lr`); the
-    user never writes it, so it is dropped (`optimizer.params.lr`), and it picks the section
-    that the rest of the path runs through.
-    """
-    keys: list[Any] = []
-    tag = ""
-    section: type[BaseModel] | None = None
-    model: type[BaseModel] | None = Config
-    parts = iter(loc)
-    for part in parts:
-        keys.append(part)
-        section, model = model, None
-        field = None if section is None else _fields(section).get(part)
-        if field is None:
-            continue
-        members = _sections_in(field.annotation)
-        if isinstance(field.discriminator, str):
-            chosen = next(parts, None)
-            members = [m for m in members if m.model_fields[field.discriminator].default == chosen]
-            tag = f"{_dotted(keys)}.{field.discriminator} {chosen}" if members else tag
-        model = members[0] if members else None
-    return _KeyPath(_dotted(keys), section, tag)
-
-
-def _dotted(keys: Sequence[Any]) -> str:
-    return ".".join(f"[{key}]" if isinstance(key, int) else str(key) for key in keys).replace(
-        ".[", "["
-    )
-
-
-def _fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
-    """A section's fields by key: aliases (the config's own names) first, then field names."""
-    fields = {(field.alias or name): field for name, field in model.model_fields.items()}
-    return fields | {name: field for name, field in model.model_fields.items()}
-
-
-def _sections_in(annotation: Any) -> list[type[BaseModel]]:
-    """The section models in a field's type (several in a union), in order."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [model for arg in typing.get_args(annotation) for model in _sections_in(arg)]
-
-
 def validate_section(section: Any, raw: Any, *, at: str) -> Any:
     """Validates one section on its own (`build_gpt` validates `model:`, `jaxspeed.optim` an
     `optimizer:` or `scheduler:` so), with `load_config`'s messages and key paths under `at`.
@@ -373,7 +291,7 @@ def validate_section(section: Any, raw: Any, *, at: str) -> Any:
         return TypeAdapter(section).validate_python(
             raw, from_attributes=not isinstance(raw, Mapping))
     except ValidationError as err:
-        lines = [_describe({**error, "loc": (at, *error["loc"])}) for error in err.errors()]
+        lines = [describe_error({**error, "loc": (at, *error["loc"])}) for error in err.errors()]
         raise ConfigError(f"invalid {at}: " + "; ".join(lines)) from None
 
 
@@ -394,5 +312,5 @@ def replace_sections(config: Config, *, why: str, **sections: Any) -> Config:
     try:
         return Config.model_validate({**given, **sections})
     except ValidationError as err:
-        lines = [_describe(error) for error in err.errors()]
+        lines = [describe_error(error) for error in err.errors()]
         raise ConfigError(f"invalid config with {why}: " + "; ".join(lines)) from None

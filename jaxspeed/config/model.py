@@ -7,7 +7,7 @@ imported Hugging Face config sets (`architecture_keys()`), the keys `build_gpt` 
 
 `moe` and `sparse_attention` are typed by the layers that use them: `MoeConfig` has
 `jaxspeed.moe.MoE`'s options (and `every_n_layers`) and checks them with the layer's own
-`check_options`; `sparse_attention` is a union over DeepSpeed's modes, one model per
+`option_errors`; `sparse_attention` is a union over DeepSpeed's modes, one model per
 `jaxspeed.attention` sparsity class with that class's fields, built (and so checked) against
 the model's head count. So `load_config` reports every error in `model:` with its key path.
 """
@@ -27,7 +27,13 @@ from jaxspeed.attention.block_sparse import IMPLS as SPARSE_IMPLS
 from jaxspeed.attention.sequence_parallel import IMPLS as SEQUENCE_IMPLS
 from jaxspeed.attention.sparsity import DEFAULT_MODE, SPARSITY_MODES, SparsityConfig
 from jaxspeed.config.fields import Bool, PositiveInt, Section
-from jaxspeed.moe.layer import MoE, check_options
+from jaxspeed.moe.all_to_all import ALGORITHMS
+from jaxspeed.moe.dispatch import IMPLS as MOE_IMPLS
+from jaxspeed.moe.expert_choice import ROUTINGS
+from jaxspeed.moe.experts import ACTIVATIONS
+from jaxspeed.moe.gating import NOISY_GATE_POLICIES
+from jaxspeed.moe.layer import BALANCES, MoE, option_errors
+from jaxspeed.moe.strategies import PARALLELISMS
 
 NORMS = ("rmsnorm", "layernorm")
 MLPS = ("gelu", "swiglu")
@@ -137,6 +143,14 @@ def _options(cls: type, *, skip: Sequence[str]) -> dict[str, Any]:
 #: experts' FP8 recipe from the top-level `fp8:` block.
 _MOE_FIXED = ("expert_axis", "param_dtype", "dtype", "fp8", "parent", "name")
 
+_MOE_OPTIONS = _options(MoE, skip=_MOE_FIXED)
+#: `MoE`'s named choices, typed as the values the layer takes: pydantic names every bad one.
+_MOE_CHOICES = {
+    "noisy_gate_policy": (*NOISY_GATE_POLICIES, "None"), "balance": BALANCES,
+    "routing": ROUTINGS, "all_to_all": ALGORITHMS, "parallelism": PARALLELISMS,
+    "impl": MOE_IMPLS,
+}
+
 MoeConfig = create_model(
     "MoeConfig",
     __base__=Section,
@@ -150,9 +164,11 @@ MoeConfig = create_model(
     every_n_layers=(PositiveInt, 1),
     bias_update_rate=(Annotated[float, Field(gt=0)], 1e-3),
     **{
-        **_options(MoE, skip=_MOE_FIXED),
+        **_MOE_OPTIONS,
+        **{name: (Literal[*choices], _MOE_OPTIONS[name][1])
+           for name, choices in _MOE_CHOICES.items()},
         "d_ff": (PositiveInt | None, None),
-        "activation": (str | None, None),
+        "activation": (Literal[*ACTIVATIONS] | None, None),
         "cluster": (str | None, None),  # a file or preset: the GPT's builder reads its links
     },
 )
@@ -260,13 +276,15 @@ class ModelConfig(Section):
     def _moe_fits(cls, moe: Any, info: ValidationInfo) -> Any:
         if moe is None or not {"d_ff", "mlp", "n_layers"} <= info.data.keys():
             return moe  # an error in those fields is reported already
-        check_options(types.SimpleNamespace(
+        errors = option_errors(types.SimpleNamespace(
             **moe_layer_options(moe, d_ff=info.data["d_ff"], mlp=info.data["mlp"])))
         if info.data["n_layers"] % moe.every_n_layers:
-            raise ValueError(
+            errors.append(
                 f"every_n_layers={moe.every_n_layers} must divide n_layers="
                 f"{info.data['n_layers']} (the layers are scanned in groups of that many)"
             )
+        if errors:
+            raise ValueError("; ".join(errors))
         return moe
 
     @field_validator("sparse_attention")
@@ -277,30 +295,37 @@ class ModelConfig(Section):
         return sparse
 
     @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelConfig:
+    def _consistent(self) -> ModelConfig:
+        errors = [*self._head_errors(), *self._window_errors()]
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+    def _head_errors(self) -> list[str]:
+        errors = []
         if self.d_model % self.n_heads:
-            raise ValueError(
+            errors.append(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 f"the head size d_model / n_heads must be a whole number"
             )
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            errors.append(
                 f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; each "
                 f"key/value head serves a group of n_heads / n_kv_heads query heads"
             )
-        if self.positions == "rotary" and (self.d_model // self.n_heads) % 2:
-            raise ValueError(
+        whole = not self.d_model % self.n_heads
+        if whole and self.positions == "rotary" and (self.d_model // self.n_heads) % 2:
+            errors.append(
                 f"positions 'rotary' needs an even head size; d_model / n_heads = "
                 f"{self.d_model // self.n_heads}"
             )
-        return self
+        return errors
 
-    @model_validator(mode="after")
-    def _window_fits(self) -> ModelConfig:
+    def _window_errors(self) -> list[str]:
         """`sliding_window` runs in dense attention (`reference`, `fused`; Ulysses carries
         it); the blocked kernel, ring attention and block-sparse layouts have no window."""
         if self.sliding_window is None:
-            return self
+            return []
         refused = [
             (self.attention.impl == "blocked", "attention.impl: blocked",
              "model.attention.impl: auto, fused or reference"),
@@ -309,13 +334,9 @@ class ModelConfig(Section):
             (self.sparse_attention is not None, "sparse_attention",
              "model.sparse_attention: null"),
         ]
-        for bad, what, instead in refused:
-            if bad:
-                raise ValueError(
-                    f"sliding_window={self.sliding_window} cannot run with {what} (it has no "
-                    f"window); set {instead}, or sliding_window: null"
-                )
-        return self
+        return [f"sliding_window={self.sliding_window} cannot run with {what} (it has no "
+                f"window); set {instead}, or sliding_window: null"
+                for bad, what, instead in refused if bad]
 
 
 def architecture_keys(*roles: Role) -> tuple[str, ...]:

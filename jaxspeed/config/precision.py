@@ -10,7 +10,6 @@ from jaxspeed.config.fields import Bool as _Bool
 from jaxspeed.config.fields import NonNegativeInt as _NonNegativeInt
 from jaxspeed.config.fields import PositiveInt as _PositiveInt
 from jaxspeed.config.fields import Section as _Section
-from jaxspeed.config.optimizer import ONEBIT_TYPES
 from jaxspeed.ops.fp8 import HISTORY, PROJECTIONS, RECIPES
 
 
@@ -44,32 +43,3 @@ class Fp8Config(_Section):
     amax_history_length: _PositiveInt = HISTORY
     #: projections that stay in the compute dtype, by name
     skip: list[Literal[PROJECTIONS]] = Field(default_factory=list)
-
-
-def check_fp8(config) -> None:
-    """The FP8 combinations that do not work together, each naming both keys."""
-    fp8, zero, moe = config.fp8, config.zero_optimization, config.model.moe
-    if zero.fp8_all_gather and not (fp8.enabled and fp8.recipe == "tensorwise"
-                                    and zero.stage == 3):
-        raise ValueError(
-            "zero_optimization.fp8_all_gather gathers the weights cast to FP8 with one scale "
-            "per tensor: it needs fp8.enabled with fp8.recipe=tensorwise and "
-            f"zero_optimization.stage=3 (got fp8.enabled={fp8.enabled}, "
-            f"fp8.recipe={fp8.recipe}, stage {zero.stage})")
-    if not fp8.enabled:
-        return
-    experts = moe is not None and "experts" not in fp8.skip
-    if experts and not moe.drop_tokens:
-        raise ValueError(
-            "fp8.enabled with model.moe.drop_tokens=false: the dropless experts' grouped "
-            "matmuls have no FP8 path; add 'experts' to fp8.skip or drop tokens")
-    if fp8.recipe != "delayed":
-        return
-    for key, used in (("model.moe", experts), ("mesh.pipe", config.mesh.pipe > 1),
-                      (f"optimizer.type={config.optimizer.type}",
-                       config.optimizer.type in ONEBIT_TYPES)):
-        if used:
-            raise ValueError(
-                f"fp8.recipe=delayed keeps amax histories as train state, which {key} "
-                f"does not carry yet; use fp8.recipe=tensorwise or rowwise"
-                + (" (or add 'experts' to fp8.skip)" if key == "model.moe" else ""))

@@ -18,6 +18,7 @@ from pydantic import (
     AliasChoices,
     BeforeValidator,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -30,16 +31,20 @@ from jaxspeed.config.fields import PositiveInt as _PositiveInt
 from jaxspeed.config.fields import Section as _Section
 from jaxspeed.config.fields import not_bool as _not_bool
 from jaxspeed.config.fields import whole_number as _whole_number
+from jaxspeed.config.cross_field import cross_field_errors
 from jaxspeed.config.model import ModelConfig
 from jaxspeed.config.optimizer import (
-    ONEBIT_TYPES,
     AdamWConfig,
     ConstantConfig,
     OptimizerConfig,
     SchedulerConfig,
 )
 from jaxspeed.config.units import parse_bytes
-from jaxspeed.config.precision import Bf16Config, Fp8Config, Fp16Config, check_fp8
+from jaxspeed.config.precision import Bf16Config, Fp8Config, Fp16Config
+
+#: Validation context key: False skips `Config`'s cross-field rules (`load_config` runs them
+#: itself over the valid sections of an invalid config).
+CROSS_FIELD = "cross_field"
 
 
 def _hosts(value: Any) -> Any:
@@ -364,31 +369,12 @@ class Config(_Section):
     seed: _Int = 0
 
     @model_validator(mode="after")
-    def _consistent(self) -> Config:
-        if self.bf16.enabled and self.fp16.enabled:
-            raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
-        if self.data.seq_len > self.model.max_seq_len:
-            raise ValueError(
-                f"data.seq_len={self.data.seq_len} is longer than "
-                f"model.max_seq_len={self.model.max_seq_len}"
-            )
-        moe = self.model.moe
-        if self.logging.sample_every_n_steps and moe is not None and moe.routing == "expert_choice":
-            raise ValueError(
-                "logging.sample_every_n_steps needs decoding, which model.moe.routing="
-                "expert_choice cannot do (each expert picks from the whole group, later tokens "
-                "included); set logging.sample_every_n_steps=0")
-        if moe is not None and moe.parallelism == "expert_tensor" and self.mesh.tensor == 1:
-            raise ValueError(
-                "model.moe.parallelism=expert_tensor keeps each expert's hidden units split over "
-                "the tensor axis (Tutel's sharding degree is mesh.tensor), and mesh.tensor=1 "
-                "splits nothing; set mesh.tensor > 1, or parallelism=expert")
-        check_fp8(self)
-        if moe is not None and moe.balance == "bias" and self.optimizer.type in ONEBIT_TYPES:
-            raise ValueError(
-                f"model.moe.balance=bias does not go with optimizer.type={self.optimizer.type}: "
-                f"the 1-bit exchange would compress the expert load the bias moves by; use "
-                f"balance=aux_loss or an uncompressed optimizer")
+    def _consistent(self, info: ValidationInfo) -> Config:
+        if not (info.context or {}).get(CROSS_FIELD, True):
+            return self
+        errors = cross_field_errors(self)
+        if errors:
+            raise ValueError("; ".join(errors))
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -63,68 +63,69 @@ def _links(cluster: Any) -> Links | None:
     return cluster
 
 
-def check_options(options: Any) -> None:
-    """Raises ConfigError for MoE options that do not go together (`options`: anything with
+def option_errors(options: Any) -> list[str]:
+    """Every way MoE `options` do not go together, one message each (`options`: anything with
     `MoE`'s attributes: the layer itself, or a validated `model.moe` config)."""
+    errors = []
 
     def positive_int(name, value, low=1):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigError(f"MoE.{name} must be an int >= {low}, got {value!r}")
+            errors.append(f"MoE.{name} must be an int >= {low}, got {value!r}")
+
+    def one_of(name, choices):
+        if getattr(options, name) not in choices:
+            errors.append(f"MoE.{name} must be one of {choices}, got {getattr(options, name)!r}")
 
     positive_int("num_experts", options.num_experts)
     positive_int("d_ff", options.d_ff)
     positive_int("k", options.k)
     positive_int("min_capacity", options.min_capacity, 0)
     positive_int("num_shared_experts", options.num_shared_experts, 0)
-    if options.k > options.num_experts:
-        raise ConfigError(
-            f"MoE.k must be <= num_experts={options.num_experts}, got k={options.k}")
+    counts = (options.k, options.num_experts)
+    if all(isinstance(n, int) and not isinstance(n, bool) for n in counts) and counts[0] > counts[1]:
+        errors.append(f"MoE.k must be <= num_experts={options.num_experts}, got k={options.k}")
     if options.drop_tokens and not options.capacity_factor > 0:
-        raise ConfigError(
+        errors.append(
             f"MoE.capacity_factor must be > 0 with drop_tokens=True, got "
             f"{options.capacity_factor}; use drop_tokens=False for dropless experts")
     if options.drop_tokens and not options.eval_capacity_factor > 0:
-        raise ConfigError(
+        errors.append(
             f"MoE.eval_capacity_factor must be > 0 with drop_tokens=True, got "
             f"{options.eval_capacity_factor}")
-    if options.noisy_gate_policy not in NOISY_GATE_POLICIES + ("None",):
-        raise ConfigError(
-            f"MoE.noisy_gate_policy must be one of {NOISY_GATE_POLICIES}, got "
-            f"{options.noisy_gate_policy!r}")
-    if options.activation not in ACTIVATIONS:
-        raise ConfigError(
-            f"MoE.activation must be one of {ACTIVATIONS}, got {options.activation!r}")
+    one_of("noisy_gate_policy", NOISY_GATE_POLICIES + ("None",))
+    one_of("activation", ACTIVATIONS)
     if options.gate_noise < 0:
-        raise ConfigError(f"MoE.gate_noise must be >= 0, got {options.gate_noise}")
+        errors.append(f"MoE.gate_noise must be >= 0, got {options.gate_noise}")
     if options.use_rts and options.bpr and options.drop_tokens:
-        raise ConfigError(
-            "MoE.use_rts and MoE.bpr both set the slot order: set at most one to True")
-    if options.balance not in BALANCES:
-        raise ConfigError(f"MoE.balance must be one of {BALANCES}, got {options.balance!r}")
-    if options.routing not in ROUTINGS:
-        raise ConfigError(f"MoE.routing must be one of {ROUTINGS}, got {options.routing!r}")
-    if options.all_to_all not in ALGORITHMS:
-        raise ConfigError(
-            f"MoE.all_to_all must be one of {ALGORITHMS}, got {options.all_to_all!r}")
+        errors.append("MoE.use_rts and MoE.bpr both set the slot order: set at most one to True")
+    one_of("balance", BALANCES)
+    one_of("routing", ROUTINGS)
+    one_of("all_to_all", ALGORITHMS)
     if options.a2a_hosts is not None:
         positive_int("a2a_hosts", options.a2a_hosts)
-    if options.parallelism not in PARALLELISMS:
-        raise ConfigError(
-            f"MoE.parallelism must be one of {PARALLELISMS}, got {options.parallelism!r}")
+    one_of("parallelism", PARALLELISMS)
     if not (options.cluster is None or isinstance(options.cluster, (str, Links))):
-        raise ConfigError(f"MoE.cluster must be a cluster file or preset name (a config), or "
-                          f"jaxspeed.moe.strategies.Links (the layer), got {options.cluster!r}")
+        errors.append(f"MoE.cluster must be a cluster file or preset name (a config), or "
+                      f"jaxspeed.moe.strategies.Links (the layer), got {options.cluster!r}")
     chunks = options.a2a_chunks
     if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
-        raise ConfigError(f"MoE.a2a_chunks must be 'auto' or an int >= 1, got {chunks!r}")
+        errors.append(f"MoE.a2a_chunks must be 'auto' or an int >= 1, got {chunks!r}")
     if options.routing == "expert_choice":
         clash = [name for name, on in (("drop_tokens=False", not options.drop_tokens),
                                        ("dynamic_capacity=True", options.dynamic_capacity),
                                        ("balance='bias'", options.balance == "bias")) if on]
         if clash:
-            raise ConfigError(
+            errors.append(
                 f"MoE.routing='expert_choice' fills every expert's capacity by construction; "
                 f"it does not go with {', '.join(clash)}")
+    return errors
+
+
+def check_options(options: Any) -> None:
+    """Raises one ConfigError naming every error of `option_errors`."""
+    errors = option_errors(options)
+    if errors:
+        raise ConfigError("; ".join(errors))
 
 
 class MoE(nn.Module):
