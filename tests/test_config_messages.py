@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 
+import jaxspeed as js
 from jaxspeed.checkpoint.params import FORMAT, RECORD, check_model, with_checkpoint_model
 from jaxspeed.cli import main
 from jaxspeed.cli.parser import build_parser, load_config_args
@@ -80,6 +81,18 @@ def test_every_error_of_a_config_in_one_message(tmp_path, capsys):
         load_config(bad)
     assert "data.seq_len" not in str(raised.value)
     assert "bf16.enabled and fp16.enabled" in str(raised.value)
+
+def test_every_untrainable_combination_in_one_message():
+    """What `initialize` refuses of a valid config (`untrainable_errors`), all at once: a 1-bit
+    optimizer under ZeRO-2 with fp16, and the same optimizer under a pipeline."""
+    config = load_config(TINY, overrides=[
+        "optimizer.type=OneBitAdam", "zero_optimization.stage=2", "fp16.enabled=true",
+        "mesh.pipe=2", "mesh.data=4", "train_batch_size=8"])
+    with pytest.raises(ConfigError) as raised:
+        js.initialize(config)
+    for text in ("cannot be used with zero_optimization.stage=2", "; fp16: dynamic loss",
+                 "optimizer.type=OneBitAdam with pipeline parallelism (mesh.pipe=2)"):
+        assert text in str(raised.value), str(raised.value)
 
 def test_missing_load_from_says_it_does_not_exist(tmp_path, capsys):
     config = write(tmp_path, "tiny.json", TINY)

@@ -3,6 +3,10 @@
 `Config`'s validator runs them all and raises one error listing each broken rule. When a
 section itself is invalid, `load_config` still runs the rules that read only valid sections
 (`cross_field_errors(..., skip=...)`), so one message names every error of a config.
+
+`untrainable_errors` are the combinations a config may describe but `initialize` refuses:
+`calibrate`'s probe, for one, rewrites such a config (a 1-bit optimizer under ZeRO-3) into one
+it can time, so they are not errors of the config itself.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jaxspeed.config.optimizer import ONEBIT_TYPES
+from jaxspeed.config.optimizer import ONEBIT_TYPES, clips_logits
 
 #: a `jaxspeed.config.Config` (this module sits below `schema`, whose validator runs the rules)
 Config = Any
@@ -98,3 +102,42 @@ def cross_field_errors(config: Config, *, skip: frozenset[str] = frozenset()) ->
     that did not validate, so `config` holds its defaults) are not run."""
     return [message for sections, rule in RULES if not sections & skip
             for message in rule(config)]
+
+
+def _onebit_alone(config: Config) -> Iterator[str]:
+    """A 1-bit optimizer with what it does not combine with: one message naming each, and why."""
+    if config.optimizer.type not in ONEBIT_TYPES:
+        return
+    problems = []
+    zero = config.zero_optimization
+    if zero.stage != 0:
+        problems.append(
+            f"zero_optimization.stage={zero.stage}: each worker updates the whole momentum with "
+            f"its local gradient before the compressed all-reduce, so optimizer state and "
+            f"gradients cannot be sharded (use stage 0)"
+        )
+    if zero.offload_optimizer.device != "none" or zero.offload_param.device != "none":
+        problems.append("offload: the compressed all-reduce runs on the device state")
+    if config.fp16.enabled:
+        problems.append("fp16: dynamic loss scaling is not wired into the 1-bit step (use bf16)")
+    if problems:
+        yield f"optimizer.type {config.optimizer.type} cannot be used with " + "; ".join(problems)
+
+
+def _pipelined(config: Config) -> Iterator[str]:
+    pipe = config.mesh.pipe
+    if pipe == 1:
+        return
+    for name, used in (("model.moe", config.model.moe is not None),
+                       (f"optimizer.type={config.optimizer.type}",
+                        config.optimizer.type in ONEBIT_TYPES),
+                       ("optimizer.params.qk_clip", clips_logits(config.optimizer))):
+        if used:
+            yield (f"{name} with pipeline parallelism (mesh.pipe={pipe}) is not available in "
+                   f"this version of jaxspeed; use mesh.pipe=1")
+
+
+def untrainable_errors(config: Config) -> list[str]:
+    """Combinations whose config keys exist but which do not train together (`initialize`
+    refuses them: never faked), every one."""
+    return [*_onebit_alone(config), *_pipelined(config)]

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from jaxspeed.attention.sequence_parallel import check_length
 from jaxspeed.config import Config
+from jaxspeed.config.cross_field import untrainable_errors
 from jaxspeed.config.optimizer import ONEBIT_TYPES, clips_logits
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops import precision
@@ -20,7 +21,6 @@ from jaxspeed.ops.fp8 import Fp8Recipe
 from jaxspeed.pipeline.model import pipelined_lm_objective
 from jaxspeed.runtime.mesh import DATA_PARALLEL_AXES, PIPE, SEQUENCE, TENSOR
 from jaxspeed.train.adapters import ModelFns, token_features
-from jaxspeed.train.onebit_step import check_onebit_config
 
 
 def _refuse(combinations, parallelism: str, fix: str) -> None:
@@ -32,12 +32,11 @@ def _refuse(combinations, parallelism: str, fix: str) -> None:
 
 
 def check_supported(config: Config) -> None:
-    """Combinations whose config keys exist but which do not work together: refuse, never fake."""
-    if config.mesh.pipe > 1:
-        _refuse((("model.moe", config.model.moe is not None),
-                 (f"optimizer.type={config.optimizer.type}", config.optimizer.type in ONEBIT_TYPES),
-                 ("optimizer.params.qk_clip", clips_logits(config.optimizer))),
-                f"pipeline parallelism (mesh.pipe={config.mesh.pipe})", "use mesh.pipe=1")
+    """Combinations whose config keys exist but which do not train together: every one in one
+    error (`jaxspeed.config.cross_field.untrainable_errors`)."""
+    errors = untrainable_errors(config)
+    if errors:
+        raise ConfigError("; ".join(errors))
 
 
 def check_mesh(config: Config, mesh: Mesh, *, reference_model: bool) -> None:
@@ -146,5 +145,4 @@ def onebit_axes(config: Config, mesh: Mesh) -> tuple[str, ...] | None:
     """The data-parallel axes a 1-bit optimizer communicates over (None for the others)."""
     if config.optimizer.type not in ONEBIT_TYPES:
         return None
-    check_onebit_config(config)
     return tuple(axis for axis in DATA_PARALLEL_AXES if axis in mesh.axis_names)

@@ -27,30 +27,10 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.ops import precision
-from jaxspeed.errors import ConfigError
 from jaxspeed.optim.factory import onebit_phases
 from jaxspeed.optim.onebit import PHASE_ARG, onebit_state_specs
 from jaxspeed.optim.zero_one_adam import worker_params
 from jaxspeed.train.step import StepSpec, TrainState, _loss_and_grads
-
-
-def check_onebit_config(config) -> None:
-    """1-bit Adam with what it does not combine with: one error naming each, and why."""
-    problems = []
-    zero = config.zero_optimization
-    if zero.stage != 0:
-        problems.append(
-            f"zero_optimization.stage={zero.stage}: each worker updates the whole momentum with "
-            f"its local gradient before the compressed all-reduce, so optimizer state and "
-            f"gradients cannot be sharded (use stage 0)"
-        )
-    if zero.offload_optimizer.device != "none" or zero.offload_param.device != "none":
-        problems.append("offload: the compressed all-reduce runs on the device state")
-    if config.fp16.enabled:
-        problems.append("fp16: dynamic loss scaling is not wired into the 1-bit step (use bf16)")
-    if problems:
-        raise ConfigError(f"optimizer.type {config.optimizer.type} cannot be used with "
-                          + "; ".join(problems))
 
 
 def _local_rules(rules, axes: tuple[str, ...]):
