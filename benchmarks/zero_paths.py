@@ -3,7 +3,7 @@
 `throughput.py`'s headline configuration (fsdp8: `configs/bench_tiny_llama.yaml`, ZeRO-3 over
 data 8, bf16, full remat, 8 emulated CPU devices), trained by `jaxspeed.train.loop.train` with
 `zero_optimization.collectives` set to `explicit` (the collectives written in the step,
-`jaxspeed.train.zero_step`) and to `compiler` (the sharding XLA partitions: the baseline). The
+`jaxspeed.zero.step`) and to `compiler` (the sharding XLA partitions: the baseline). The
 two run alternately, `--rounds` times each, each a fresh training of `--steps` steps, and each
 run's tokens/s is `throughput.aggregate`'s (total tokens / total time after `--skip` steps).
 A path's figure is its best run (a shared machine only slows a run down); the ratio is

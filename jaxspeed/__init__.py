@@ -20,7 +20,7 @@ _PUBLIC = {
     "Config": "jaxspeed.config", "load_config": "jaxspeed.config",
     "initialize": "jaxspeed.train", "Engine": "jaxspeed.train", "TrainState": "jaxspeed.train",
     "train_model": "jaxspeed.train.loop", "TrainRecord": "jaxspeed.train.metrics_log",
-    "MemoryReport": "jaxspeed.cost.memory", "ProfileReport": "jaxspeed.cost.report",
+    "MemoryReport": "jaxspeed.cost.memory", "ProfileReport": "jaxspeed.cost.plan_table",
     "Checkpointer": "jaxspeed.checkpoint", "CheckpointError": "jaxspeed.checkpoint",
     "export_params": "jaxspeed.checkpoint.export",
     "export_hf": "jaxspeed.checkpoint.hf", "import_hf": "jaxspeed.checkpoint.hf",

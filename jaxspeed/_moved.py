@@ -48,6 +48,15 @@ MOVED: dict[str, str] = {
     # the link model, below autoplan now so that moe.strategies prices with it downward
     "jaxspeed.autoplan.gloo": "jaxspeed.network.gloo",
     "jaxspeed.autoplan.placement": "jaxspeed.network.placement",
+    # a ZeRO package: the explicit ZeRO-3 step and its collectives (issue 60's names)
+    "jaxspeed.sharding.zero_collectives": "jaxspeed.zero.collectives",
+    "jaxspeed.sharding.zero_comm": "jaxspeed.zero.comm",
+    "jaxspeed.sharding.zero_layout": "jaxspeed.zero.layout",
+    "jaxspeed.train.zero_step": "jaxspeed.zero.step",
+    # names that say what the module holds
+    "jaxspeed.pipeline.model": "jaxspeed.pipeline.gpt_stages",
+    "jaxspeed.autoplan.report": "jaxspeed.autoplan.plans_table",
+    "jaxspeed.cost.report": "jaxspeed.cost.plan_table",
     # the kernels' backend check, public now (it was private, but five jaxspeed packages used it)
     "pallas_kernels._backend": "pallas_kernels.backend",
 }

@@ -19,7 +19,7 @@ from jaxspeed.config import load_config
 from jaxspeed.config.cluster import Cluster, load_cluster, save_cluster
 from jaxspeed.network import gloo, placement
 from jaxspeed.network.links import collective_seconds
-from jaxspeed.train.zero_step import GLOO_BUCKET
+from jaxspeed.zero.step import GLOO_BUCKET
 
 TINY = ["model.n_layers=2", "model.d_model=64", "model.d_ff=256", "data.seq_len=32",
         "model.max_seq_len=32", "train_batch_size=8"]

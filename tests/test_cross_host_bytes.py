@@ -10,7 +10,7 @@ from test_onebit_engine import TINY
 import jaxspeed as js
 from jaxspeed.cost.cross_host import cross_host_bytes
 from jaxspeed.cost.hlo import collectives
-from jaxspeed.cost.report import format_profile
+from jaxspeed.cost.plan_table import format_profile
 from jaxspeed.runtime.mesh import host_of_devices
 
 

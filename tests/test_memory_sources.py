@@ -9,7 +9,7 @@ import jaxspeed as js
 from jaxspeed.cost.memory import (
     HOST_NOTE, SOURCES, STREAM_NOTE, host_bytes, memory_report, sharded_bytes,
 )
-from jaxspeed.cost.report import format_memory
+from jaxspeed.cost.plan_table import format_memory
 from test_benchmarks import check_result, load_benchmark, quick_output, run_quick
 
 TINY = [

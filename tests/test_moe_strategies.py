@@ -174,7 +174,7 @@ def test_plan_counts_the_messages_that_cross_hosts():
     """`plan`'s profile: the flat all-to-all over 2 hosts x 4 sends 4 messages across per
     device, the hierarchical one 1 (each 4 times larger); rings are not counted."""
     from jaxspeed.cost.cross_host import cross_host_bytes, cross_host_messages
-    from jaxspeed.cost.report import format_profile
+    from jaxspeed.cost.plan_table import format_profile
     from jaxspeed.moe.all_to_all import hierarchical_all_to_all
 
     mesh, hosts = make_mesh({"expert": 8}), [0] * 4 + [1] * 4

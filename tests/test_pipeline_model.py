@@ -13,7 +13,7 @@ from jaxspeed.ops.losses import lm_loss
 from jaxspeed.runtime.mesh import make_mesh
 from jaxspeed.config import MeshConfig
 from jaxspeed.models import GPT
-from jaxspeed.pipeline.model import layer_slots, pipelined_lm_objective, stage_params
+from jaxspeed.pipeline.gpt_stages import layer_slots, pipelined_lm_objective, stage_params
 from numerics import assert_close, gpt_rtol
 
 TINY = dict(vocab_size=32, d_model=16, n_layers=4, n_heads=2, d_ff=32, max_seq_len=8)

@@ -15,7 +15,7 @@ from jaxspeed.cost import roofline
 from jaxspeed.config import load_config
 from jaxspeed.cost.flops import model_train_flops
 from jaxspeed.cost.peaks import GPU_PEAKS
-from jaxspeed.cost.report import format_roofline
+from jaxspeed.cost.plan_table import format_roofline
 
 #: llama_1b's keys, at a size that compiles in seconds
 TINY_LLAMA = ["model.vocab_size=512", "model.d_model=256", "model.n_layers=2", "model.n_heads=4",

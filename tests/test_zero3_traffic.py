@@ -9,7 +9,7 @@ over `peers` devices sends `(peers - 1) / peers` of it, and that is what is comp
 into intra-host and cross-host bytes by gathers and by scatters (reduce-scatters, or qgZ's
 all-to-alls). In full precision they agree exactly. Quantized, the model pads an average leaf
 to whole blocks of `Switches.block` values where the step pads each leaf (and moves a leaf
-smaller than a block as it is, `zero_comm.worth_quantizing`): they differ by at most one
+smaller than a block as it is, `zero.comm.worth_quantizing`): they differ by at most one
 block's quantized bytes and its scale per leaf and collective execution, which is the bound
 asserted. The MoE's token exchange (all-to-alls over `expert`) is priced apart
 (`autoplan.moe_exchange`) and left out here.

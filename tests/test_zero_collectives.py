@@ -15,9 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspeed.cost import hlo
 from jaxspeed.ops import quantize as qz
-from jaxspeed.sharding import zero_collectives as zc
-from jaxspeed.sharding import zero_layout as zl
-from jaxspeed.sharding import zero_comm as comm
+from jaxspeed.zero import collectives as zc
+from jaxspeed.zero import layout as zl
+from jaxspeed.zero import comm
 
 HOSTS, DATA = 2, 4
 AXES = ("data", "host")  # the ZeRO split: data-major (jaxspeed.runtime.mesh.ZERO_AXES)

@@ -1,4 +1,4 @@
-"""ZeRO-3's gathers of several leaves as one collective (`zero_collectives.gather_group`), and
+"""ZeRO-3's gathers of several leaves as one collective (`zero.collectives.gather_group`), and
 over one mesh axis that spans hosts in two stages (`jaxspeed.sharding.two_level`), on 8
 emulated devices.
 
@@ -17,9 +17,9 @@ from jax.sharding import PartitionSpec as P
 from jaxspeed.cost import hlo
 from jaxspeed.ops.matmul import ENV
 from jaxspeed.sharding import two_level
-from jaxspeed.sharding import zero_collectives as zc
-from jaxspeed.sharding import zero_layout as zl
-from jaxspeed.train import zero_step
+from jaxspeed.zero import collectives as zc
+from jaxspeed.zero import layout as zl
+from jaxspeed.zero import step as zero_step
 from numerics import assert_adam_params_close
 from test_engine import LR, RHO, tiny_config
 from test_zero_step import dataset  # noqa: F401  (a fixture)

@@ -39,9 +39,9 @@ from jaxspeed.models import build_gpt
 from jaxspeed.ops import quantize as qz
 from jaxspeed.ops.losses import lm_loss
 from jaxspeed.ops.matmul import ENV
-from jaxspeed.sharding import zero_layout as zl
+from jaxspeed.zero import layout as zl
 from jaxspeed.runtime.distributed import over_gloo
-from jaxspeed.train.zero_step import GLOO_BUCKET, NESTED_PIPELINE_JAX, RUN_BUCKET, switches_of
+from jaxspeed.zero.step import GLOO_BUCKET, NESTED_PIPELINE_JAX, RUN_BUCKET, switches_of
 from test_engine import LR, RHO, batches, reference_from, tiny_config
 from numerics import assert_adam_params_close
 
@@ -50,7 +50,7 @@ HOSTS2 = ["mesh.data=8", "mesh.hosts=2", Z + "stage=3", Z + "max_live_parameters
 #: Two hosts x (2 data x 2 tensor): HSDP beside tensor parallelism inside each host.
 TENSOR2 = ["mesh.data=4", "mesh.tensor=2", "mesh.hosts=2", Z + "stage=3",
            Z + "max_live_parameters=0"]
-#: A pipeline nested in the step's map needs jax 0.12's XLA (`zero_step.NESTED_PIPELINE_JAX`).
+#: A pipeline nested in the step's map needs jax 0.12's XLA (`jaxspeed.zero.step.NESTED_PIPELINE_JAX`).
 NESTED_PIPELINE = pytest.mark.skipif(jax.__version_info__ < NESTED_PIPELINE_JAX,
                                      reason="jax 0.11's XLA aborts on the nested manual axes")
 #: Two hosts x (2 data x 2 pipeline stages), 1F1B over 2 microbatches.
@@ -445,7 +445,7 @@ def test_host_major_shards_train_like_data_major_and_ring_inside_the_hosts():
 
 
 def test_shard_order_auto_is_host_major_over_gloo(monkeypatch):
-    from jaxspeed.train import zero_step
+    from jaxspeed.zero import step as zero_step
 
     config = tiny_config(*HOSTS2)
     mesh = engine_of(*HOSTS2).mesh
@@ -463,7 +463,7 @@ def test_a_mesh_spans_hosts_with_a_host_axis_or_several_processes():
     mesh.data=1` has no `host` axis, its expert axis spans two processes."""
     from types import SimpleNamespace as NS
 
-    from jaxspeed.train.zero_step import spans_hosts
+    from jaxspeed.zero.step import spans_hosts
 
     def mesh(processes, host=1):
         return NS(shape={"host": host, "data": 1, "expert": len(processes)},

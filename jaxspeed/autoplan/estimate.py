@@ -212,7 +212,7 @@ def estimate(config: Config, plan: Candidate, cluster: Any, *, optimizer: str | 
 
     # Over gloo, the explicit ZeRO-3 step gathers and reduce-scatters over an axis that spans
     # processes with no `host` axis naming them in two stages, across the hosts and inside
-    # them (`zero_step.two_level_axes`): the hierarchical algorithm's cost.
+    # them (`zero.step.two_level_axes`): the hierarchical algorithm's cost.
     staged = algorithm == "gloo" and sizes["host"] == 1
     for t in traffic.step_transfers(config, plan, hosts=sizes["host"], optimizer=optimizer,
                                     phase=phase, gloo=algorithm == "gloo"):

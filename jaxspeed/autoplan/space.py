@@ -104,7 +104,7 @@ class Candidate:
 
 def from_config(config: Config, mesh_shape: dict[str, int]) -> Candidate:
     """The plan `config` runs as given, on a mesh of `mesh_shape` (mesh axes, `host` included)."""
-    from jaxspeed.train.zero_step import switches_of
+    from jaxspeed.zero.step import switches_of
 
     zero, hosts = config.zero_optimization, int(mesh_shape.get("host", 1))
     mesh = tuple((a, int(mesh_shape.get(a, 1)) * (hosts if a == "data" else 1)) for a in CONFIG_AXES)

@@ -58,8 +58,8 @@ from jaxspeed.ops.precision import compute_dtype
 from jaxspeed.ops.quantize import num_blocks
 from jaxspeed.runtime.mesh import AXES, DATA, EXPERT, HOST, SEQUENCE, TENSOR
 from jaxspeed.sharding.zero import HOST_MAJOR_AXES
-from jaxspeed.sharding.zero_layout import across_hosts_last
-from jaxspeed.train.zero_step import shard_order_is_host, switches_of
+from jaxspeed.zero.layout import across_hosts_last
+from jaxspeed.zero.step import shard_order_is_host, switches_of
 
 #: Adam-family optimizer → its 1-bit variants (what `plan --auto` reports beside it).
 ONEBIT_VARIANTS = {"Adam": ("OneBitAdam", "ZeroOneAdam"), "AdamW": ("OneBitAdam", "ZeroOneAdam"),
@@ -327,7 +327,7 @@ def _zero3(config, plan, sizes, zero_axes, layered_params, other_params, layers,
                 continue
             out += gather(f"zero3.forward_gather.{label}", leaves * (micro if per_layer else 1))
             # the vectors move with the matrices where grouped, but not beside `tensor`:
-            # the matrices split over it move apart (`zero_collectives.gather_leaves`)
+            # the matrices split over it move apart (`zero.collectives.gather_leaves`)
             if per_layer and (recompute or (sw.grouped and sizes[TENSOR] == 1)):
                 out += gather(f"zero3.backward_gather.{label}", leaves * micro)
             elif per_layer:  # not recomputed: the matrices alone

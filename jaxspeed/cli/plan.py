@@ -67,7 +67,7 @@ def plan_command(args) -> int:
     from jaxspeed.train.engine import initialize
     from jaxspeed.cost.fit import device_memory
     from jaxspeed.train.fit_check import engine_verdict
-    from jaxspeed.cost.report import format_plan
+    from jaxspeed.cost.plan_table import format_plan
 
     config = load_config_args(args)
     target = _gpu_target(args)
@@ -120,7 +120,7 @@ def plan_command(args) -> int:
             print()
             print("\n".join(format_predicted(report["predicted"])))
         if target is not None:
-            from jaxspeed.cost.report import format_roofline
+            from jaxspeed.cost.plan_table import format_roofline
 
             print()
             print("\n".join(format_roofline(report)))
@@ -184,7 +184,7 @@ def _cluster_processes(config, cluster, devices):
 
 def _auto_plan(args) -> int:
     """`plan --auto`: prints the cluster's plans, ranked (`--apply`: writes the best)."""
-    from jaxspeed.autoplan.report import format_table, to_dict, write_config
+    from jaxspeed.autoplan.plans_table import format_table, to_dict, write_config
     from jaxspeed.autoplan.search import search
     from jaxspeed.config.cluster import available_presets, load_cluster
     from jaxspeed.errors import JaxspeedError
@@ -199,7 +199,7 @@ def _auto_plan(args) -> int:
     if args.apply:
         write_config(config, ranked[0], cluster, args.apply)
     from jaxspeed.autoplan.predict import onebit_alternatives
-    from jaxspeed.autoplan.report import format_alternatives
+    from jaxspeed.autoplan.plans_table import format_alternatives
 
     alternatives = onebit_alternatives(config, ranked[0].plan, cluster)
     if args.json:

@@ -127,10 +127,10 @@ class ZeroConfig(_Section):
     offload_optimizer: OptimizerOffloadConfig = Field(default_factory=OptimizerOffloadConfig)
     offload_param: OffloadConfig = Field(default_factory=OffloadConfig)
     #: How stage 3 gathers params and reduces gradients: `explicit` = `all_gather` /
-    #: reduce-scatter written in the step (`jaxspeed.sharding.zero_collectives`), `compiler`
+    #: reduce-scatter written in the step (`jaxspeed.zero.collectives`), `compiler`
     #: = a sharding XLA partitions (on CPU: all-reduce + slice), `auto` = explicit where the
     #: mesh spans hosts or a ZeRO++ switch is on and it is supported (mesh.sequence 1),
-    #: else compiler (`jaxspeed.train.zero_step.runs_explicit`).
+    #: else compiler (`jaxspeed.zero.step.runs_explicit`).
     collectives: Literal["auto", "explicit", "compiler"] = "auto"
     #: ZeRO++ qwZ: weight all-gathers move int8 block-quantized values (dequantized after).
     zero_quantized_weights: _Bool = False
@@ -155,13 +155,13 @@ class ZeroConfig(_Section):
     #: (1 MiB of fp32) where the collectives run over gloo (CPU devices in several
     #: processes), whose reduce-scatter sends each peer its share as one message that a slow
     #: TCP link moves below its rate past about a MiB (`jaxspeed.network.gloo`); else 2**22
-    #: (`jaxspeed.train.zero_step.RUN_BUCKET`).
+    #: (`jaxspeed.zero.step.RUN_BUCKET`).
     max_reduce_scatter_elements: _PositiveInt | Literal["auto"] = "auto"
     #: Stage 3 with explicit collectives: the order of ZeRO's shards over the hosts and the
     #: devices inside them. `data`: data-major (shard `d * hosts + h`); `host`: host-major,
     #: so a ring collective's neighbours are inside one host but at two edges. `auto`: host
     #: where the collectives run over gloo (whose rings follow the group's order), else data
-    #: (NCCL picks its own rings) (`jaxspeed.train.zero_step.shard_order_is_host`).
+    #: (NCCL picks its own rings) (`jaxspeed.zero.step.shard_order_is_host`).
     shard_order: Literal["auto", "data", "host"] = "auto"
 
     @model_validator(mode="after")

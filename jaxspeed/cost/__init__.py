@@ -3,7 +3,7 @@
 Owns the HLO text parser and the collectives it finds (`hlo`), FLOP counts and the roofline
 (`flops`), accelerator peaks and MFU (`peaks`), an engine's step profile (`profile`), the per-
 device memory report (`memory`), the "will it fit?" verdict (`fit`) and the plan table
-(`report`).
+(`plan_table`).
 
 May import: `config`, `ops`, `sharding`, `runtime`, `network` (the collective kinds). `fit`
 checks the configs it is given a compile for (`jaxspeed.train.fit_check` compiles them through
@@ -13,7 +13,7 @@ checks the configs it is given a compile for (`jaxspeed.train.fit_check` compile
 # The public names of the old `jaxspeed.profiler`, split into `hlo`, `flops` and `peaks`
 # (`jaxspeed._moved` maps the old path here). Only those three modules, which import nothing
 # of jaxspeed's but the collective kinds (`jaxspeed.network.links`): `fit`, `memory` and
-# `report` load `config`, `ops` and `sharding`, so they stay behind their own paths.
+# `plan_table` load `config`, `ops` and `sharding`, so they stay behind their own paths.
 from jaxspeed.cost.flops import (
     compiled_flops,
     jaxpr_flops,

@@ -18,7 +18,7 @@ from jaxspeed.cost.hlo import (
 )
 from jaxspeed.cost.cross_host import cross_host_bytes, cross_host_messages
 from jaxspeed.cost.peaks import peak_flops
-from jaxspeed.cost.report import ProfileReport
+from jaxspeed.cost.plan_table import ProfileReport
 
 #: Instructions that move no data of their own (views, bookkeeping, control flow whose bodies
 #: are counted where they run).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxspeed.cost.flops import step_profile
-from jaxspeed.cost.report import ProfileReport
+from jaxspeed.cost.plan_table import ProfileReport
 from jaxspeed.runtime.mesh import host_of_devices
 
 

@@ -46,7 +46,7 @@ from jaxspeed.ops.fp8 import Fp8Recipe
 from jaxspeed.ops import offload
 from jaxspeed.ops.losses import AUX_LOSS, LOGIT_MAX, STEP_METRICS
 from jaxspeed.ops.remat import checkpoint_policy
-from jaxspeed.sharding.zero_collectives import not_gathered
+from jaxspeed.zero.collectives import not_gathered
 
 Array = jax.Array
 Dtype = Any
@@ -113,11 +113,11 @@ class GPT(nn.Module):
     fp8: Fp8Recipe | None = None
     #: each attention layer records its heads' largest logit (`LOGIT_MAX`, for QK-clip)
     record_logit_max: bool = False
-    #: ZeRO-3 with explicit collectives (`jaxspeed.train.zero_step`): `(variables) ->
+    #: ZeRO-3 with explicit collectives (`jaxspeed.zero.step`): `(variables) ->
     #: variables` applied to each scanned unit's ZeRO-sharded params inside the step's
     #: `shard_map`, gathering them. The backward pass gathers them again, as DeepSpeed's
     #: ZeRO-3 does: no `remat_policy` saves them, and with "none" every other value is saved
-    #: (`zero_collectives.not_gathered`).
+    #: (`zero.collectives.not_gathered`).
     gather_layers: Any = None
     #: autoregressive decoding with a key/value cache of `max_seq_len` positions (the
     #: `cache` collection; see `jaxspeed.models.sampling`)

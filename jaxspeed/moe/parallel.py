@@ -17,7 +17,7 @@ the expert axis), GShard's two all-to-alls move the capacity buffers:
     all_to_all    back to [E, G_l * C, M], then combine per group.
 
 Inside a step already manual over the expert axis (the explicit ZeRO-3 step,
-`jaxspeed.train.zero_step`), the layer gets this worker's tokens and its own `[E / ep, ...]`
+`jaxspeed.zero.step`), the layer gets this worker's tokens and its own `[E / ep, ...]`
 experts, and runs the same per-device body there, over the step's manual axes of size > 1.
 
 Gradients of the weights replicated over manual axes (the router, and the experts over `data`)

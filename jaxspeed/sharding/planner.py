@@ -167,7 +167,7 @@ def plan_sharding(
       rules: ordered logical-axis rules.
       offload_optimizer: keep the optimizer state in `pinned_host` memory between steps.
       offload_params: keep the (stage-3 sharded) params in `pinned_host` memory too.
-      explicit_zero3: the explicit ZeRO-3 step runs (`jaxspeed.train.zero_step`): ZeRO keeps
+      explicit_zero3: the explicit ZeRO-3 step runs (`jaxspeed.zero.step`): ZeRO keeps
         off the dimensions a model axis splits (`zero_spec`'s `beside`).
       host_major: ZeRO's shards host-major (`HOST_MAJOR_AXES`), else data-major.
 

@@ -45,7 +45,7 @@ def zero_spec(
       beside: whether ZeRO may join a dimension another axis splits already (`tensor` on
         `vocab`). False for the explicit ZeRO-3 step: its gathers run inside each group of
         the other axes, where such a dimension's ZeRO shards are not one contiguous block
-        (`jaxspeed.sharding.zero_collectives.gather_leaves`).
+        (`jaxspeed.zero.collectives.gather_leaves`).
 
     Returns:
       The new spec and a note ('' when all free data-parallel axes were placed).

@@ -2,7 +2,8 @@
 
 The combinations of config keys that exist but do not work together, refused with one
 `ConfigError` that names the key (never faked); the reference GPT that `config.model`
-describes; the step's objective; and the axes 1-bit Adam communicates over.
+describes; the step's objective and the model parts it applies; and the axes 1-bit Adam
+communicates over.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from jaxspeed.config.optimizer import ONEBIT_TYPES, clips_logits
 from jaxspeed.errors import ConfigError
 from jaxspeed.ops import precision
 from jaxspeed.ops.fp8 import Fp8Recipe
-from jaxspeed.pipeline.model import pipelined_lm_objective
+from jaxspeed.pipeline.gpt_stages import pipelined_lm_objective
 from jaxspeed.runtime.mesh import DATA_PARALLEL_AXES, PIPE, SEQUENCE, TENSOR
-from jaxspeed.train.adapters import ModelFns, token_features
+from jaxspeed.train.adapters import ModelFns, linen_apply, token_features
 
 
 def _refuse(combinations, parallelism: str, fix: str) -> None:
@@ -31,16 +32,14 @@ def _refuse(combinations, parallelism: str, fix: str) -> None:
                 f"{name} with {parallelism} is not available in this version of jaxspeed; {fix}")
 
 
-def check_supported(config: Config) -> None:
-    """Combinations whose config keys exist but which do not train together: every one in one
-    error (`jaxspeed.config.cross_field.untrainable_errors`)."""
+def check_trainable(config: Config, mesh: Mesh, *, reference_model: bool) -> None:
+    """That `config` trains as a whole on `mesh`: the combinations whose keys exist but which
+    do not train together, every one in one error
+    (`jaxspeed.config.cross_field.untrainable_errors`); then that `mesh` agrees with the
+    config's pipeline and has what a sequence split needs."""
     errors = untrainable_errors(config)
     if errors:
         raise ConfigError("; ".join(errors))
-
-
-def check_mesh(config: Config, mesh: Mesh, *, reference_model: bool) -> None:
-    """That `mesh` agrees with the config's pipeline, and has what a sequence split needs."""
     if mesh.shape.get(PIPE, 1) != config.mesh.pipe:  # the batch triple follows the config
         raise ConfigError(
             f"the mesh has {PIPE}={mesh.shape.get(PIPE, 1)} but the config has "
@@ -91,12 +90,12 @@ def reference_gpt(config: Config):
     streaming its layers' params from the host under `offload_param` (`_streams_layers`)."""
     from jaxspeed.models import build_gpt
 
-    remat = config.activation_checkpointing
-    stream = _streams_layers(config)
+    fp8, remat = fp8_recipe(config), config.activation_checkpointing
+    streams = _streams_layers(config)
+    stream = precision.compute_dtype(config) if streams else None
     return build_gpt(
-        config.model, remat_policy=remat.policy, remat_names=remat.names,
-        stream_layers=precision.compute_dtype(config) if stream else None,
-        fp8=fp8_recipe(config), record_logit_max=clips_logits(config.optimizer),
+        config.model, remat_policy=remat.policy, remat_names=remat.names, stream_layers=stream,
+        fp8=fp8, record_logit_max=clips_logits(config.optimizer),
     )
 
 
@@ -139,6 +138,15 @@ def step_objective(config: Config, mesh: Mesh, fns: ModelFns, model, loss_fn):
         return loss + aux, {"aux_loss": aux, **metrics}
 
     return objective
+
+
+def objective_parts(fns: ModelFns, model, explicit_zero):
+    """`fns` and `model` as the step's objective uses them: with the explicit ZeRO-3 step
+    (`jaxspeed.zero.step.ZeroStep`, or None), the model with its per-layer gather where it has
+    one (a pipeline's stages run its `layer_stack`, so they gather their own layers)."""
+    if explicit_zero is None or explicit_zero.model is None:
+        return fns, model
+    return fns._replace(apply=linen_apply(explicit_zero.model)), explicit_zero.model
 
 
 def onebit_axes(config: Config, mesh: Mesh) -> tuple[str, ...] | None:

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxspeed.ops import precision
 from jaxspeed.train.adapters import ModelFns, model_fns
 from jaxspeed.train.assembly import (
-    check_mesh, check_supported, onebit_axes, reference_gpt, step_objective,
+    check_trainable, objective_parts, onebit_axes, reference_gpt, step_objective,
 )
 from jaxspeed.checkpoint.engine_checkpoints import EngineCheckpoints
 from jaxspeed.checkpoint.state import Checkpointer
@@ -25,7 +25,7 @@ from jaxspeed.config import Config, load_config, resolve_batch
 from jaxspeed.cost.flops import jaxpr_flops
 from jaxspeed.cost.memory import MemoryReport, memory_report
 from jaxspeed.cost.profile import profile
-from jaxspeed.cost.report import ProfileReport
+from jaxspeed.cost.plan_table import ProfileReport
 from jaxspeed.data.dataset import make_global_batch
 from jaxspeed.ops.losses import lm_loss
 from jaxspeed.runtime.mesh import PIPE, data_parallel_size, make_mesh
@@ -35,7 +35,7 @@ from jaxspeed.sharding.rules import DEFAULT_RULES
 from jaxspeed.train.onebit_step import onebit_train_steps
 from jaxspeed.optim.onebit import onebit_state_specs as onebit_state_specs_of
 from jaxspeed.train.step import StepSpec, TrainState, eval_step, offload_spec, train_step
-from jaxspeed.train.zero_step import explicit_zero, gathered_once, host_major, runs_explicit
+from jaxspeed.zero.step import explicit_zero, gathered_once, host_major, runs_explicit
 
 
 class Engine:
@@ -68,12 +68,11 @@ class Engine:
         self.checkpoints = EngineCheckpoints(config, self.abstract_state)
         self._compiled: dict[str | None, Any] = {}
         pipelined = mesh.shape.get(PIPE, 1) > 1
-        #: ZeRO-3 with explicit collectives (`jaxspeed.train.zero_step`), or None
+        #: ZeRO-3 with explicit collectives (`jaxspeed.zero.step`), or None
         self.explicit_zero = explicit_zero(
             config, mesh, plan, model, compute_dtype=self.compute_dtype,
             param_count=self.param_count)
-        parts = (fns, model) if self.explicit_zero is None else (
-            self.explicit_zero.objective_parts(fns, model))
+        parts = objective_parts(fns, model, self.explicit_zero)
         self._spec = StepSpec(
             objective=step_objective(config, mesh, *parts, loss_fn),
             tx=self.tx,
@@ -323,9 +322,8 @@ def initialize(
     """
     if not isinstance(config, Config):
         config = load_config(config)
-    check_supported(config)
     mesh = mesh if mesh is not None else make_mesh(config.mesh)
-    check_mesh(config, mesh, reference_model=model is None)
+    check_trainable(config, mesh, reference_model=model is None)
     batch = resolve_batch(config, data_parallel_size(mesh))
     zero = config.zero_optimization
     if model is None:

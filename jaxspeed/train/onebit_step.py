@@ -28,19 +28,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspeed.ops import precision
 from jaxspeed.optim.factory import onebit_phases
+from jaxspeed.sharding.rules import without_axes
 from jaxspeed.optim.onebit import PHASE_ARG, onebit_state_specs
 from jaxspeed.optim.zero_one_adam import worker_params
 from jaxspeed.train.step import StepSpec, TrainState, _loss_and_grads
-
-
-def _local_rules(rules, axes: tuple[str, ...]):
-    """The logical rules without the manual axes (inside the map, batch is already local)."""
-    out = []
-    for name, mesh_axes in rules:
-        named = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
-        kept = tuple(a for a in named if a not in axes)
-        out.append((name, kept or None))
-    return tuple(out)
 
 
 def state_specs(abstract_state: TrainState, axes: tuple[str, ...]) -> TrainState:
@@ -60,7 +51,7 @@ def onebit_train_step(
 ):
     """One step of the 1-bit phase `phase` (jit it with the state's shardings)."""
     local_spec = spec._replace(grad_shardings=None)
-    local_rules = _local_rules(rules, axes)
+    local_rules = without_axes(rules, axes)
 
     def local(state: TrainState, batch):
         with nn.logical_axis_rules(local_rules):

@@ -113,7 +113,7 @@ class StepSpec(NamedTuple):
     #: the compute params are gathered to once per step (else None: gathered layer by layer,
     #: as each use needs them).
     gathered_params: Any = None
-    #: ZeRO-3 with explicit collectives: a `jaxspeed.train.zero_step.ZeroStep` that computes
+    #: ZeRO-3 with explicit collectives: a `jaxspeed.zero.step.ZeroStep` that computes
     #: the loss and the sharded gradients from the stored params (else None: the sharding path).
     explicit_zero: Any = None
 
@@ -307,7 +307,7 @@ def train_step(spec: StepSpec, data_parallel: int, state: TrainState, batch):
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
     next_rng, step_rng = jax.random.split(state.rng)
     fp8_meta = state.fp8_meta
-    if spec.explicit_zero is not None:  # with no FP8 meta (`zero_step._unsupported`)
+    if spec.explicit_zero is not None:  # with no FP8 meta (`zero.step._unsupported`)
         off = spec.offload or OffloadSpec()
         params = state.params
         if off.params is not None:

@@ -4,13 +4,13 @@ axes `host`, `data` and `expert`.
 Inside the map each data-parallel worker holds its rows, its ZeRO shard of every param and,
 with an expert axis, its experts; the MoE layers exchange tokens with the experts' owners
 inside the map. `tensor` stays automatic: the weights stay split over it, and the leaves
-split over it gather inside each tensor group (`zero_collectives.gather_leaves`). With
+split over it gather inside each tensor group (`zero.collectives.gather_leaves`). With
 `pipe`, the pipeline's `shard_map` nests inside this one: each stage gathers its own layers
 where it runs them, forward and again in the backward of its F/B schedule (GPipe's too, as
 `spmd_pipeline` runs it there; jax 0.12 or later). `sequence` must have size 1
 (`_unsupported`). With `offload_param`, the shards live on the host and come in where they
 are gathered (a layer's one layer at a time). The loss is
-differentiated w.r.t. the shards; the gathers (`jaxspeed.sharding.zero_collectives`) run
+differentiated w.r.t. the shards; the gathers (`jaxspeed.zero.collectives`) run
 where the params are used, and their transposes reduce-scatter the gradients, so each worker
 ends with the gradient of its own shard, summed over workers in fp32, and the update runs on
 shards as with the sharding path. Where the gathers run:
@@ -46,11 +46,11 @@ from jaxspeed.runtime.distributed import over_gloo, process_count
 from jaxspeed.runtime.mesh import DATA, EXPERT, HOST, PIPE, SEQUENCE
 from jaxspeed.sharding.leaves import LeafPlan
 from jaxspeed.sharding.planner import Plan
-from jaxspeed.sharding import zero_collectives as zc
-from jaxspeed.sharding import zero_layout as zl
+from jaxspeed.sharding.rules import without_axes
+from jaxspeed.zero import collectives as zc
+from jaxspeed.zero import layout as zl
 from jaxspeed.sharding.two_level import spanned_hosts
 from jaxspeed.sharding.vma import make_varying
-from jaxspeed.train.onebit_step import _local_rules
 
 
 def _leaves(plan: Plan, fn):
@@ -81,16 +81,6 @@ class ZeroStep:
     switches: zl.Switches
     compute_dtype: Any
     model: Any = None
-
-    def objective_parts(self, fns, model):
-        """`fns` (a `ModelFns`) and `model` as the step's objective uses them: applying the
-        model with its per-layer gather, where it has one (a pipeline's stages run its
-        `layer_stack`, so they gather their own layers)."""
-        if self.model is None:
-            return fns, model
-        from jaxspeed.train.adapters import linen_apply
-
-        return fns._replace(apply=linen_apply(self.model)), self.model
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -342,11 +332,10 @@ def explicit_zero(config, mesh: Mesh, plan: Plan, model, *, compute_dtype,
         two_level=two_level_axes(mesh))
     check_hpz(zero.zero_hpz_partition_size, mesh)
     gathers = _leaves(plan, lambda leaf: zl.leaf_gather(leaf.param, leaf.gathered))
-    from jaxspeed.models.gpt import GPT
-
-    per_layer = isinstance(model, GPT) and param_count > zero.max_live_parameters
+    # a model that takes a per-layer gather hook (the reference GPT's `gather_layers`)
+    per_layer = hasattr(model, "gather_layers") and param_count > zero.max_live_parameters
     layered = _leaves(plan, lambda leaf: per_layer and (leaf.logical or ())[:1] == ("layers",))
-    step = ZeroStep(mesh=mesh, rules=_local_rules(plan.rules, zl.MANUAL_AXES),
+    step = ZeroStep(mesh=mesh, rules=without_axes(plan.rules, zl.MANUAL_AXES),
                     specs=_leaves(plan, lambda leaf: zl.manual_spec(leaf.param)),
                     gathers=gathers, layered=layered, switches=switches,
                     compute_dtype=compute_dtype)

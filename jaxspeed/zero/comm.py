@@ -1,7 +1,7 @@
 """The ZeRO collectives themselves, on one buffer: the all-gather of a shard (qwZ: int8
 block-quantized) and the reduce-scatter of a gradient (qgZ: all-to-alls of block-quantized
 chunks; full precision: in pieces of at most a bucket), inside `shard_map` manual over their
-axes. `jaxspeed.sharding.zero_collectives` decides what each leaf, or group of leaves, runs.
+axes. `jaxspeed.zero.collectives` decides what each leaf, or group of leaves, runs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxspeed.ops import quantize as qz
 from jaxspeed.sharding import two_level
-from jaxspeed.sharding.zero_layout import across_hosts_last
+from jaxspeed.zero.layout import across_hosts_last
 
 
 def concat_peers(y: jax.Array, dim: int) -> jax.Array:

@@ -5,7 +5,7 @@ parameter stored ZeRO-sharded on dimension `dim` is gathered with `all_gather(ti
 and the gradient of the local loss w.r.t. the shard is the transpose: a reduce-scatter. Both
 are written here, as one `custom_vjp` per gather, so the program says what moves on every
 backend (XLA:CPU compiles the sharding path's gradient reduction to all-reduce + slice); the
-collectives themselves are in `jaxspeed.sharding.zero_comm`:
+collectives themselves are in `jaxspeed.zero.comm`:
 
 - forward: cast to the compute dtype, then `all_gather` (qwZ: int8 block-quantized values and
   fp32 block scales, dequantized after; `jaxspeed.ops.quantize`);
@@ -25,7 +25,7 @@ hpZ splits a gather into stages: over `host` alone first (once per step: a secon
 sharded within the host), then over the intra-host axes (per layer, in the forward pass and
 again in the recomputed backward pass); where `host` is not ZeRO's minor axis (host-major
 shards, or an `expert` axis after it), the blocks are put back in the spec's order after the
-last stage (`zero_layout.reorder_blocks`, marked as gathered so that `not_gathered` does not
+last stage (`zero.layout.reorder_blocks`, marked as gathered so that `not_gathered` does not
 keep it for the backward pass). The chain's transpose is the hierarchical
 reduce-scatter: inside the host, then across hosts.
 
@@ -47,8 +47,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxspeed.sharding import two_level
-from jaxspeed.sharding import zero_comm as comm
-from jaxspeed.sharding.zero_layout import (
+from jaxspeed.zero import comm
+from jaxspeed.zero.layout import (
     LeafGather, Switches, named, part_stages, reorder_blocks,
 )
 

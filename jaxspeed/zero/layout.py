@@ -1,7 +1,7 @@
 """How a ZeRO-3 leaf is laid out for the explicit step's gathers: the manual axes, ZeRO++'s
 switches, which dimension each stored leaf is split on over which axes (`LeafGather`), the
 order its gather stages run in, and the local transpose that puts a staged gather's blocks
-back in the spec's order. `jaxspeed.sharding.zero_collectives` runs the gathers.
+back in the spec's order. `jaxspeed.zero.collectives` runs the gathers.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def manual_spec(spec, manual: tuple[str, ...] = MANUAL_AXES):
 
 def across_hosts_last(axes) -> tuple[str, ...]:
     """`axes` with `host` last: qgZ's all-to-alls, one an axis, reduce inside the host first
-    and send across hosts only what is left (`zero_comm.reduce_scatter`)."""
+    and send across hosts only what is left (`zero.comm.reduce_scatter`)."""
     return tuple(sorted(axes, key=lambda a: a == HOST))
 
 
