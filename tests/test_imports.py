@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxspeed"
@@ -195,6 +197,16 @@ def test_modules_are_small():
     assert not unexplained, f"modules over {MAX_LINES} lines (split them): {unexplained}"
     stale = sorted(set(LONG_MODULES) - set(long))
     assert not stale, f"no longer over {MAX_LINES} lines, drop them from LONG_MODULES: {stale}"
+
+
+def test_the_config_loads_without_jax():
+    """`import jaxspeed.config` (what the CLI reads flags and configs with) loads no JAX, Flax
+    or kernels: the layers' option types come from `jaxspeed.options`."""
+    code = ("import sys, jaxspeed.config; print(sorted(m for m in ('jax', 'flax', 'optax', "
+            "'pallas_kernels') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out
 
 
 def test_the_engine_is_thin():

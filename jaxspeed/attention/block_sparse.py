@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspeed.attention.blocked import blocked_attention
+from jaxspeed.options.attention import SPARSE_IMPLS as IMPLS
 from pallas_kernels.backend import MOSAIC_GPU, kernel_backend, on_gpu
 from pallas_kernels.block_sparse_attention import block_sparse_attention as _pallas_attention
 from pallas_kernels.block_sparse_attention import check_layout
 
-IMPLS = ("auto", "pallas", "xla", "blocked")
 _MAX_GROUPS = 8  # measured on CPU at seq 2048-8192: 1 -> 8 groups halved the step time
 _GROUP_COST = 2**14  # logits per batch and head that one more group must save
 

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspeed.attention.blocked import blocked_attention, flash_backward, flash_forward, merge_parts
 from jaxspeed.errors import ConfigError
+from jaxspeed.options.attention import SEQUENCE_IMPLS as IMPLS
 from jaxspeed.sharding.vma import vary_alike
 
 Array = jax.Array
@@ -50,8 +51,6 @@ _F32 = jnp.float32
 #: How a ring step's chunk of queries sees a chunk of keys (`_Ring.mode`; `lax.switch` indices).
 _FULL, _DIAGONAL, _NONE = 0, 1, 2
 
-#: `model.sequence_parallel.impl` values.
-IMPLS = ("ulysses", "ring")
 
 
 def chunk_order(shards: int, balanced: bool) -> np.ndarray:

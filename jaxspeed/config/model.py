@@ -6,8 +6,8 @@ the keys a params checkpoint must agree on (`architecture_keys(SHAPES)`), the ke
 imported Hugging Face config sets (`architecture_keys()`), the keys `build_gpt` copies.
 
 `moe` and `sparse_attention` are typed by the layers that use them: `MoeConfig` has
-`jaxspeed.moe.MoE`'s options (and `every_n_layers`) and checks them with the layer's own
-`option_errors`; `sparse_attention` is a union over DeepSpeed's modes, one model per
+`jaxspeed.moe.MoE`'s options (`jaxspeed.options.moe.MoeOptions`, and `every_n_layers`) and
+checks them with the layer's own `option_errors`; `sparse_attention` is a union over DeepSpeed's modes, one model per
 `jaxspeed.attention` sparsity class with that class's fields, built (and so checked) against
 the model's head count. So `load_config` reports every error in `model:` with its key path.
 """
@@ -23,17 +23,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, ValidationInfo, create_model, field_validator
 from pydantic import model_validator
 
-from jaxspeed.attention.block_sparse import IMPLS as SPARSE_IMPLS
-from jaxspeed.attention.sequence_parallel import IMPLS as SEQUENCE_IMPLS
 from jaxspeed.attention.sparsity import DEFAULT_MODE, SPARSITY_MODES, SparsityConfig
 from jaxspeed.config.fields import Bool, PositiveInt, Section
-from jaxspeed.moe.all_to_all import ALGORITHMS
-from jaxspeed.moe.dispatch import IMPLS as MOE_IMPLS
-from jaxspeed.moe.expert_choice import ROUTINGS
-from jaxspeed.moe.experts import ACTIVATIONS
-from jaxspeed.moe.gating import NOISY_GATE_POLICIES
-from jaxspeed.moe.layer import BALANCES, MoE, option_errors
-from jaxspeed.moe.strategies import PARALLELISMS
+from jaxspeed.options.attention import SEQUENCE_IMPLS, SPARSE_IMPLS
+from jaxspeed.options.moe import (
+    ACTIVATIONS, ALGORITHMS, BALANCES, NOISY_GATE_POLICIES, PARALLELISMS, ROUTINGS, MoeOptions,
+    option_errors,
+)
+from jaxspeed.options.moe import IMPLS as MOE_IMPLS
 
 NORMS = ("rmsnorm", "layernorm")
 MLPS = ("gelu", "swiglu")
@@ -139,11 +136,7 @@ def _options(cls: type, *, skip: Sequence[str]) -> dict[str, Any]:
 
 # -------------------------------------------------------------------------------------- moe
 
-#: `MoE` attributes a config does not set: the mesh axis and the dtypes come from the plan, the
-#: experts' FP8 recipe from the top-level `fp8:` block.
-_MOE_FIXED = ("expert_axis", "param_dtype", "dtype", "fp8", "parent", "name")
-
-_MOE_OPTIONS = _options(MoE, skip=_MOE_FIXED)
+_MOE_OPTIONS = _options(MoeOptions, skip=("cluster",))
 #: `MoE`'s named choices, typed as the values the layer takes: pydantic names every bad one.
 _MOE_CHOICES = {
     "noisy_gate_policy": (*NOISY_GATE_POLICIES, "None"), "balance": BALANCES,

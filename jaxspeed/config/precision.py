@@ -10,7 +10,7 @@ from jaxspeed.config.fields import Bool as _Bool
 from jaxspeed.config.fields import NonNegativeInt as _NonNegativeInt
 from jaxspeed.config.fields import PositiveInt as _PositiveInt
 from jaxspeed.config.fields import Section as _Section
-from jaxspeed.ops.fp8 import HISTORY, PROJECTIONS, RECIPES
+from jaxspeed.options.fp8 import HISTORY, PROJECTIONS, RECIPES
 
 
 class Bf16Config(_Section):

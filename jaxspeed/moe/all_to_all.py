@@ -29,8 +29,6 @@ import jax.numpy as jnp
 from jaxspeed.errors import ConfigError
 from jaxspeed.sharding.two_level import host_shift, local_shift, shift
 
-#: `MoE.all_to_all` values.
-ALGORITHMS = ("flat", "hierarchical")
 
 
 def hierarchical_all_to_all(x, axis: str, split_axis: int, concat_axis: int, *, hosts: int):

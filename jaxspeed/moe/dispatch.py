@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxspeed.moe.gating import Routing
+from jaxspeed.options.moe import IMPLS
 from jaxspeed.sharding.vma import vary_alike
 from pallas_kernels import moe_kernels as kernels
 from pallas_kernels.backend import on_gpu
 
-IMPLS = ("auto", "pallas", "xla")
 
 
 def _resolve_impl(impl: str) -> str:

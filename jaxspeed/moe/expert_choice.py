@@ -19,8 +19,6 @@ import jax.numpy as jnp
 
 from jaxspeed.moe.gating import Routing, compute_capacity
 
-#: `model.moe.routing` values.
-ROUTINGS = ("token_choice", "expert_choice")
 
 
 def expert_choice_gating(logits, k: int, capacity_factor: float = 1.0, *, min_capacity: int = 4,

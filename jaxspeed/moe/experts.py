@@ -31,8 +31,8 @@ import jax.numpy as jnp
 
 from jaxspeed.moe.grouped import grouped_matmul
 from jaxspeed.ops import fp8 as fp8_ops
+from jaxspeed.options.moe import ACTIVATIONS
 
-ACTIVATIONS = ("relu", "gelu", "swiglu")
 
 
 class ExpertParams(NamedTuple):

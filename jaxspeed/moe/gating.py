@@ -24,8 +24,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-#: Accepted values of `noisy_gate_policy` (DeepSpeed's names; the string "None" means None).
-NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
+from jaxspeed.options.moe import NOISY_GATE_POLICIES
+
 _NOISE_STREAM, _RSAMPLE_STREAM, _RTS_STREAM = 0, 1, 2
 
 

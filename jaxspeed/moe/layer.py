@@ -25,22 +25,18 @@ import jax.numpy as jnp
 from jaxspeed.errors import ConfigError
 # AUX_LOSS: one already-scaled scalar per MoE call, under "moe"
 from jaxspeed.ops.losses import AUX_LOSS, STEP_METRICS
-from jaxspeed.moe.all_to_all import ALGORITHMS
 from jaxspeed.moe.balance import BIAS_PARAM
-from jaxspeed.moe.expert_choice import ROUTINGS
-from jaxspeed.moe.experts import ACTIVATIONS, ExpertParams, expert_ffn
-from jaxspeed.moe.gating import NOISY_GATE_POLICIES
+from jaxspeed.moe.experts import ExpertParams, expert_ffn
 from jaxspeed.moe.options import GatingOptions
 from jaxspeed.moe.parallel import moe_ffn
-from jaxspeed.moe.strategies import PARALLELISMS, STRATEGIES, Links
+from jaxspeed.moe.strategies import STRATEGIES, Links
+from jaxspeed.options.moe import MoeOptions, option_errors
 
 #: Flax collection of routing metrics: "dropped_fraction", "expert_counts", "balance_loss"
 #: (Flax's own `sow` default, which trainers leave immutable).
 METRICS = "intermediates"
 #: The rng stream for noisy gates and random token selection.
 GATING_RNG = "gating"
-#: `MoE.balance` values.
-BALANCES = ("aux_loss", "bias")
 
 
 def _normal(fan_in: int):
@@ -63,72 +59,18 @@ def _links(cluster: Any) -> Links | None:
     return cluster
 
 
-def option_errors(options: Any) -> list[str]:
-    """Every way MoE `options` do not go together, one message each (`options`: anything with
-    `MoE`'s attributes: the layer itself, or a validated `model.moe` config)."""
-    errors = []
-
-    def positive_int(name, value, low=1):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            errors.append(f"MoE.{name} must be an int >= {low}, got {value!r}")
-
-    def one_of(name, choices):
-        if getattr(options, name) not in choices:
-            errors.append(f"MoE.{name} must be one of {choices}, got {getattr(options, name)!r}")
-
-    positive_int("num_experts", options.num_experts)
-    positive_int("d_ff", options.d_ff)
-    positive_int("k", options.k)
-    positive_int("min_capacity", options.min_capacity, 0)
-    positive_int("num_shared_experts", options.num_shared_experts, 0)
-    counts = (options.k, options.num_experts)
-    if all(isinstance(n, int) and not isinstance(n, bool) for n in counts) and counts[0] > counts[1]:
-        errors.append(f"MoE.k must be <= num_experts={options.num_experts}, got k={options.k}")
-    if options.drop_tokens and not options.capacity_factor > 0:
-        errors.append(
-            f"MoE.capacity_factor must be > 0 with drop_tokens=True, got "
-            f"{options.capacity_factor}; use drop_tokens=False for dropless experts")
-    if options.drop_tokens and not options.eval_capacity_factor > 0:
-        errors.append(
-            f"MoE.eval_capacity_factor must be > 0 with drop_tokens=True, got "
-            f"{options.eval_capacity_factor}")
-    one_of("noisy_gate_policy", NOISY_GATE_POLICIES + ("None",))
-    one_of("activation", ACTIVATIONS)
-    if options.gate_noise < 0:
-        errors.append(f"MoE.gate_noise must be >= 0, got {options.gate_noise}")
-    if options.use_rts and options.bpr and options.drop_tokens:
-        errors.append("MoE.use_rts and MoE.bpr both set the slot order: set at most one to True")
-    one_of("balance", BALANCES)
-    one_of("routing", ROUTINGS)
-    one_of("all_to_all", ALGORITHMS)
-    if options.a2a_hosts is not None:
-        positive_int("a2a_hosts", options.a2a_hosts)
-    one_of("parallelism", PARALLELISMS)
+def check_options(options: Any) -> None:
+    """Raises one ConfigError naming every error of `option_errors`, and a cluster that is
+    neither a name (a config's) nor `Links` (the layer's)."""
+    errors = option_errors(options)
     if not (options.cluster is None or isinstance(options.cluster, (str, Links))):
         errors.append(f"MoE.cluster must be a cluster file or preset name (a config), or "
                       f"jaxspeed.moe.strategies.Links (the layer), got {options.cluster!r}")
-    chunks = options.a2a_chunks
-    if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
-        errors.append(f"MoE.a2a_chunks must be 'auto' or an int >= 1, got {chunks!r}")
-    if options.routing == "expert_choice":
-        clash = [name for name, on in (("drop_tokens=False", not options.drop_tokens),
-                                       ("dynamic_capacity=True", options.dynamic_capacity),
-                                       ("balance='bias'", options.balance == "bias")) if on]
-        if clash:
-            errors.append(
-                f"MoE.routing='expert_choice' fills every expert's capacity by construction; "
-                f"it does not go with {', '.join(clash)}")
-    return errors
-
-
-def check_options(options: Any) -> None:
-    """Raises one ConfigError naming every error of `option_errors`."""
-    errors = option_errors(options)
     if errors:
         raise ConfigError("; ".join(errors))
 
 
-class MoE(nn.Module):
+class MoE(MoeOptions, nn.Module):
     """Mixture-of-experts FFN (GShard / DeepSpeed-MoE / Tutel), expert-parallel on a mesh.
 
     `y = sum_j w_tj * expert_{e_tj}(x_t)` over each token's kept top-k choices, plus the
@@ -220,33 +162,6 @@ class MoE(nn.Module):
         matmuls: `tensorwise` or `rowwise` (`jaxspeed.ops.fp8`).
     """
 
-    num_experts: int
-    d_ff: int
-    k: int = 1
-    capacity_factor: float = 1.0
-    dynamic_capacity: bool = False
-    eval_capacity_factor: float = 1.0
-    min_capacity: int = 4
-    noisy_gate_policy: str | None = None
-    drop_tokens: bool = True
-    use_rts: bool = True
-    use_residual: bool = False
-    num_shared_experts: int = 0
-    activation: str = "gelu"
-    aux_loss_coef: float = 0.01
-    balance: str = "aux_loss"
-    routing: str = "token_choice"
-    a2a_chunks: int | str = 1
-    all_to_all: str = "flat"
-    a2a_hosts: int | None = None
-    parallelism: str = "expert"
-    cluster: Any = None  # a config's str (file or preset), resolved by the model builder
-    z_loss_coef: float = 0.0
-    gate_noise: float = 0.0
-    bpr: bool = False
-    normalize_gate: bool = True
-    impl: str = "auto"
-    num_groups: int | None = None
     expert_axis: str = "expert"
     param_dtype: Any = jnp.float32
     dtype: Any = None

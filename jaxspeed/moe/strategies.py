@@ -44,9 +44,8 @@ from typing import Any, NamedTuple
 from jaxspeed.moe.all_to_all import a2a_chunk_count
 from jaxspeed.moe.host_tokens import sends_tokens
 from jaxspeed.network.collectives import collective_time
+from jaxspeed.options.moe import PARALLELISMS
 
-#: `MoE.parallelism` values.
-PARALLELISMS = ("expert", "data", "expert_data", "expert_tensor", "auto")
 #: The strategies `auto` chooses from.
 STRATEGIES = PARALLELISMS[:-1]
 

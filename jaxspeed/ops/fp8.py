@@ -38,16 +38,12 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
+from jaxspeed.options.fp8 import HISTORY, PROJECTIONS, RECIPES  # noqa: F401 (re-exported)
+
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
-RECIPES = ("tensorwise", "rowwise", "delayed")
-#: The projections FP8 applies to, by name: attention's q/k/v/out, the MLP's, the experts'.
-#: The embedding, the LM head, the norms and attention itself stay in the compute dtype.
-PROJECTIONS = ("query", "key", "value", "out", "wi", "wi_gate", "wi_up", "wo", "experts")
 #: Flax's collection of variables whose gradient is their new value.
 META = fp8_ops.OVERWRITE_WITH_GRADIENT
-#: Transformer Engine's and Flax's default amax history.
-HISTORY = 1024
 
 Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
 
