@@ -1,7 +1,6 @@
 """The CLI: bad input exits non-zero with one readable line; train and plan work end to end."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from jaxspeed.cli import main
+from children import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -66,11 +66,9 @@ def test_unknown_benchmark(capsys):
 
 
 def run_cli(*args, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
     return subprocess.run(
         [sys.executable, "-m", "jaxspeed.cli", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout,
     )
 
 

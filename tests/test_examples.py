@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from children import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS = re.compile(r"^step\s+(\d+)\s+loss\s+(\S+)", re.MULTILINE)
@@ -59,11 +60,8 @@ def test_long_context_example_trains_over_the_sequence_axis():
 
 @pytest.mark.slow  # seven CLI steps, three of them compile a model: ~30 s
 def test_finetune_llama_script_runs_every_step(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "STEPS": "2", "FILES": "8",
-           "WORK": str(tmp_path), "PYTHON": sys.executable}
     # the script's --cpu-devices makes the devices; the fast-compile flags stay (conftest.py)
-    env["XLA_FLAGS"] = " ".join(
-        flag for flag in env.get("XLA_FLAGS", "").split() if "device_count" not in flag)
+    env = child_env(STEPS="2", FILES="8", WORK=str(tmp_path), PYTHON=sys.executable)
     result = subprocess.run(["bash", "examples/finetune_llama.sh"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"

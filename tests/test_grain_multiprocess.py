@@ -2,7 +2,6 @@
 and resumed by two continues at the same example, with the losses of one uninterrupted run."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from jaxspeed.checkpoint import Checkpointer
 from numerics import gpt_rtol
+from children import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "jaxspeed.cli"]
@@ -25,9 +25,7 @@ def _records(run: Path) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_resume_on_two_processes_continues_a_one_process_run(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
-    env = dict(os.environ)
+    env = child_env()
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 500, size=6000).astype(np.uint16)
     tokens[rng.random(tokens.size) < 0.05] = 0  # documents end with EOS 0
