@@ -115,9 +115,5 @@ def _choose(name, size, mesh_shape, rules, used) -> DimChoice:
 def without_axes(rules: Rules, axes: tuple[str, ...]) -> Rules:
     """`rules` without the mesh `axes` (inside a `shard_map` manual over them, the batch is
     already local)."""
-    out = []
-    for name, mesh_axes in rules:
-        named = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
-        kept = tuple(a for a in named if a not in axes)
-        out.append((name, kept or None))
-    return tuple(out)
+    return tuple((name, tuple(a for a in as_tuple(mesh_axes) if a not in axes) or None)
+                 for name, mesh_axes in rules)
